@@ -1,0 +1,74 @@
+"""Counting the bytes a rank holds, from the tensors themselves.
+
+Tensors that are views of one buffer share its bytes, so we count storages, not tensors:
+each storage once, at its full size (a view into a larger buffer keeps all of it alive).
+A storage seen under an earlier component is not counted again under a later one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+COMPONENTS = ("param", "grad", "optimizer_state")
+
+
+class MeasurementError(RuntimeError):
+    """A buffer the census relies on is missing: fail loudly rather than report zero."""
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors`, skipping those already in `seen`."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        key = _storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The tensors a strategy holds for each component at one moment, before counting."""
+    param: list[torch.Tensor]
+    grad: list[torch.Tensor]
+    optimizer_state: list[torch.Tensor]
+    # Elements of the gradient this rank owns (its partition, padding included). Under ZeRO the
+    # buffer holding them can be larger than the partition; see theory.zero_partition_layout.
+    grad_partition_elements: int
+
+
+def count(holdings: Holdings) -> dict[str, int]:
+    """Bytes per component, each storage counted once across all components."""
+    seen: set = set()
+    out = {f"{c}_bytes": storage_bytes(getattr(holdings, c), seen) for c in COMPONENTS}
+    out["grad_partition_elements"] = holdings.grad_partition_elements
+    return out
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """exp_avg, exp_avg_sq, step and whatever else a torch optimizer keeps per parameter."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def required(obj, name: str):
+    """An attribute the census needs; its absence means the backend's layout changed."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise MeasurementError(
+            f"{type(obj).__name__} has no attribute '{name}': this DeepSpeed version keeps its "
+            "buffers elsewhere, and zerolens will not guess (see census.py)") from None

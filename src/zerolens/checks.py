@@ -1,0 +1,82 @@
+"""The verdict: each check with what was measured, what was expected and the tolerance.
+
+Expected figures come from theory (theory.py) or from the baseline run, never from constants.
+"""
+from __future__ import annotations
+
+from statistics import mean
+
+from .strategies import DTYPES
+from .theory import zero_partition_layout
+
+# Largest per-step difference in global-batch loss between a strategy and the baseline that we
+# accept, by precision: both run the same arithmetic, but reductions happen in a different
+# order and, in 16-bit, in a different dtype; differences compound over the steps.
+LOSS_MATCH_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.02}
+# The loss has "clearly fallen" when the mean of the last steps is this much below the first's.
+MIN_RELATIVE_FALL = 0.05
+
+
+def check(name: str, passed: bool, measured, expected, tolerance: str, detail: str = "") -> dict:
+    return {"name": name, "passed": bool(passed), "measured": measured, "expected": expected,
+            "tolerance": tolerance, "detail": detail}
+
+
+def loss_window(steps: int) -> int:
+    return max(2, steps // 5)
+
+
+def loss_fell(name: str, losses: list[float]) -> dict:
+    w = loss_window(len(losses))
+    first, last = mean(losses[:w]), mean(losses[-w:])
+    return check(f"loss fell ({name})", last <= first * (1 - MIN_RELATIVE_FALL),
+                 measured={"first_mean": first, "last_mean": last, "window_steps": w},
+                 expected=f"last_mean <= {1 - MIN_RELATIVE_FALL:.2f} x first_mean",
+                 tolerance=f"a fall of at least {MIN_RELATIVE_FALL:.0%}",
+                 detail=f"mean of the first {w} steps {first:.4f}, of the last {w} steps {last:.4f}")
+
+
+def loss_matches(name: str, losses: list[float], baseline: str, baseline_losses: list[float],
+                 precision: str) -> dict:
+    diffs = [abs(a - b) for a, b in zip(losses, baseline_losses)]
+    tol = LOSS_MATCH_TOLERANCE[precision]
+    worst = max(range(len(diffs)), key=diffs.__getitem__)
+    return check(f"loss matches baseline ({name} vs {baseline})", diffs[worst] <= tol,
+                 measured={"max_abs_diff": diffs[worst], "at_step": worst, "mean_abs_diff": mean(diffs)},
+                 expected=0.0, tolerance=f"max |loss - baseline loss| <= {tol} ({precision})",
+                 detail=f"largest difference {diffs[worst]:.2e} at step {worst}")
+
+
+def zero_gradient_checks(name: str, ranks: list[dict], baseline_ranks: list[dict], param_numels: list[int],
+                         precision: str) -> list[dict]:
+    """ZeRO-1/2: each rank owns 1/N of the gradient elements (plus alignment padding) and holds the
+    whole parameters that overlap its slice. Both figures are exact: tolerance zero."""
+    n = len(ranks)
+    layout = zero_partition_layout(param_numels, n)
+    element_size = DTYPES[precision].itemsize
+    baseline_elements = baseline_ranks[0]["grad_partition_elements"]
+    out = []
+    for r, measured in enumerate(ranks):
+        part = layout[r]
+        owned = measured["grad_partition_elements"]
+        out.append(check(
+            f"gradient partition is 1/N ({name}, rank {r})", owned == part.partition_elements,
+            measured={"elements": owned, "ratio_to_baseline": owned / baseline_elements},
+            expected={"elements": part.partition_elements, "ratio_to_baseline": 1 / n},
+            tolerance="exact element count; the ratio differs from 1/N only by "
+                      f"{part.partition_elements * n - sum(param_numels)} padding elements over all ranks",
+            detail=f"{owned} of the baseline's {baseline_elements} gradient elements"))
+        held = measured["grad_bytes_after_backward"]
+        expected = part.held_grad_elements * element_size
+        baseline_held = baseline_ranks[r]["grad_bytes_after_backward"]
+        out.append(check(
+            f"gradient bytes held ({name}, rank {r})", held == expected,
+            measured={"bytes": held, "ratio_to_baseline": held / baseline_held},
+            expected={"bytes": expected, "ratio_to_baseline": expected / baseline_held},
+            tolerance="exact (0 bytes)",
+            detail=(f"{held / baseline_held:.3f} of the baseline's bytes, not 1/{n}: the buffer keeps the "
+                    f"{len(part.overlapping_params)} parameters that overlap the rank's slice whole, "
+                    f"{part.grad_buffer_elements} elements for a {part.partition_elements}-element partition"
+                    + (f", plus {part.padding_elements} elements of alignment padding" if part.padding_elements
+                       else ""))))
+    return out

@@ -1,0 +1,70 @@
+"""The `zerolens` command. One small function per command; user errors exit 2 in one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from . import __version__
+from .config import UserError, add_verify_arguments, config_from_args
+from .launch import WorkersFailed, launch_local
+from .worker import default_run_folder
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage dump is long; one line, exit 2
+        self.exit(2, f"zerolens: {message} (see zerolens {self.prog.split()[-1]} --help)\n")
+
+
+def verify_parser(subparsers) -> None:
+    p = subparsers.add_parser("verify", help="run the case study's ZeRO-2 experiment correctly and check it",
+                              description="Train the case study's model under each strategy on N ranks, "
+                                          "measure per-rank memory, and check ZeRO's claims.")
+    add_verify_arguments(p)
+    p.set_defaults(func=verify_command)
+
+
+def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
+    config = config_from_args(args)
+    out = Path(config.out) if config.out else default_run_folder()
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"run folder {out} already exists and is not empty; choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create run folder {out}: {e.strerror}") from None
+    # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
+    # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
+    os.environ.setdefault("DS_ACCELERATOR", config.device)
+    if config.device == "cpu":
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc)))
+    command = shlex.join(["zerolens", *argv])
+    worker_args = [*argv[1:], "--device", config.device, "--nproc", str(config.nproc), "--out", str(out),
+                   "--fail-exit-code", "0", "--command", command]
+    try:
+        launch_local(config.nproc, worker_args, verbose=config.verbose)
+    except WorkersFailed as e:
+        print(f"zerolens: FAILED: {e}", file=sys.stderr)
+        return 1
+    summary = json.loads((out / "summary.json").read_text())
+    return 0 if summary["verdict"] == "PASS" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = ArgumentParser(prog="zerolens", description="What data-parallel sharding does to training memory.")
+    parser.add_argument("--version", action="version", version=f"zerolens {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    verify_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args, argv)
+    except UserError as e:
+        print(f"zerolens: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zerolens: interrupted", file=sys.stderr)
+        return 130

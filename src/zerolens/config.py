@@ -1,0 +1,129 @@
+"""The verify run's settings: one frozen dataclass, validated where it is built.
+
+User mistakes raise UserError (the CLI prints its one line and exits 2); internal invariants
+are asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import ModelConfig
+from .strategies import STRATEGIES
+
+
+class UserError(ValueError):
+    """A bad flag or an impossible configuration: reported in one line, exit code 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    strategies: tuple[str, ...] = ("zero0", "zero2")
+    baseline: str = "zero0"
+    nproc: int = 2
+    device: str = "cpu"
+    precision: str = "bf16"
+    precision_note: str = ""  # why the precision differs from the case study's fp16, if it does
+    steps: int = 100
+    seed: int = 0
+    micro_batch: int = 8
+    lr: float = 1e-4
+    reduce_bucket_size: int = 50_000_000
+    signal: float = 0.8  # fraction of class tokens in each sample (data.py)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    out: str | None = None
+    verbose: bool = False
+
+    def __post_init__(self):
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise UserError("--strategies lists a strategy twice")
+        if self.baseline not in self.strategies:
+            raise UserError(f"--baseline {self.baseline} is not among --strategies {','.join(self.strategies)}")
+        if self.nproc < 1:
+            raise UserError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.steps < 4:
+            raise UserError(f"--steps must be at least 4 to tell whether the loss fell, got {self.steps}")
+        if self.micro_batch < 1:
+            raise UserError(f"--micro-batch must be at least 1, got {self.micro_batch}")
+        if self.device not in ("cpu", "cuda"):
+            raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.precision not in ("fp16", "bf16", "fp32"):
+            raise UserError(f"--precision must be fp16, bf16 or fp32, got {self.precision!r}")
+        if self.device == "cpu" and self.precision == "fp16":
+            raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): "
+                            "use --precision bf16 or fp32, or --device cuda")
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.nproc
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategies", default="zero0,zero2",
+                        help=f"comma-separated, from {','.join(STRATEGIES)} (default: zero0,zero2)")
+    parser.add_argument("--baseline", default=None,
+                        help="the strategy the others are compared with (default: zero0 if listed, else the first)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="number of ranks (default: the number of GPUs when there are at least 2, else 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when at least 2 GPUs are visible, else cpu")
+    parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
+                        help="default: fp16 on cuda (the case study's), bf16 on cpu")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per step over all ranks; must be divisible by --nproc "
+                             "(default: micro-batch x nproc)")
+    parser.add_argument("--reduce-bucket-size", type=float, default=5e7,
+                        help="DeepSpeed reduce_bucket_size in elements (default 5e7, the case study's)")
+    parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+    parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
+
+
+def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
+                     gpus_visible: int | None = None) -> VerifyConfig:
+    """Resolve defaults against the machine; `world_size` is given when a launcher started us."""
+    gpus = torch.cuda.device_count() if gpus_visible is None else gpus_visible
+    device = args.device or ("cuda" if gpus >= 2 else "cpu")
+    if world_size is not None:
+        if args.nproc is not None and args.nproc != world_size:
+            raise UserError(f"--nproc {args.nproc} disagrees with the launcher's world size {world_size}")
+        nproc = world_size
+    else:
+        nproc = args.nproc if args.nproc is not None else (gpus if device == "cuda" and gpus >= 2 else 2)
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    if device == "cuda" and gpus < nproc and world_size is None:
+        fix = f"use --nproc {gpus} or --device cpu" if gpus else "use --device cpu"
+        raise UserError(f"--device cuda with {nproc} processes needs {nproc} GPUs, but {gpus} are visible; {fix}")
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    if not strategies:
+        raise UserError("--strategies is empty")
+    baseline = args.baseline or ("zero0" if "zero0" in strategies else strategies[0])
+    if any(s.startswith("zero") for s in strategies) and importlib.util.find_spec("deepspeed") is None:
+        raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp)")
+    precision, note = args.precision, ""
+    if precision is None:
+        precision = "fp16" if device == "cuda" else "bf16"
+        if device == "cpu":
+            note = "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case study's fp16"
+    micro_batch = args.micro_batch
+    if args.global_batch is not None:
+        if args.global_batch % nproc:
+            raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
+        micro_batch = args.global_batch // nproc
+    return VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
+                        precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
+                        micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
+                        out=args.out, verbose=args.verbose)

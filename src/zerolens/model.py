@@ -1,0 +1,59 @@
+"""The case study's model: a small Transformer classifier, written for one device.
+
+embedding (vocab, d_model) -> nn.TransformerEncoder (batch_first) -> mean over the sequence
+-> linear head to the classes. Defaults give the case study's 0.53M parameters.
+Parallelism is applied from outside by a Strategy; nothing here knows about ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int = 1000
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_dim: int = 512
+    num_classes: int = 10
+    seq_len: int = 32
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
+
+
+class CaseStudyModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model=config.d_model,
+            nhead=config.num_heads,
+            dim_feedforward=config.ffn_dim,
+            batch_first=True,
+        )
+        # enable_nested_tensor only matters for padded inference; off keeps a warning away.
+        self.encoder = nn.TransformerEncoder(layer, num_layers=config.num_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(config.d_model, config.num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)  # (B, T, d_model)
+        x = self.encoder(x)  # (B, T, d_model)
+        return self.head(x.mean(dim=1))  # (B, num_classes)
+
+
+def build_model(config: ModelConfig, seed: int) -> CaseStudyModel:
+    """The same initial weights for every strategy and rank: seeded, built on the CPU in fp32."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return CaseStudyModel(config)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

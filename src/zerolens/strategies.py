@@ -1,0 +1,217 @@
+"""One Strategy interface, one class per backend.
+
+A Strategy wraps a single-device model for data parallelism, runs forward, backward and the
+optimizer step, and says which tensors it holds for each memory component (`holdings`). It
+knows where its backend keeps gradients: under ZeRO-1/2/3 `p.grad` is None after backward and
+the rank's partition lives inside the optimizer.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import io
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .census import Holdings, MeasurementError, optimizer_state_tensors, required
+
+STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """What every strategy trains with; the case study's settings by default."""
+    precision: str  # fp16 | bf16 | fp32
+    lr: float = 1e-4
+    micro_batch: int = 8
+    world_size: int = 2
+    reduce_bucket_size: int = 50_000_000
+    verbose: bool = False
+
+
+class Strategy(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        """Wrap the model (fp32, on the CPU) and build the optimizer."""
+
+    @abc.abstractmethod
+    def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> bool:
+        """Optimizer step and zeroing of gradients; False if the step was skipped (fp16 overflow)."""
+
+    @abc.abstractmethod
+    def holdings(self) -> Holdings:
+        """The tensors held now, per component."""
+
+    @abc.abstractmethod
+    def teardown(self) -> None: ...
+
+    def describe(self) -> dict:
+        """The backend settings, for config.json."""
+        return {}
+
+
+class TorchDDP(Strategy):
+    """torch DistributedDataParallel: fp32 weights, autocast to the run's precision, torch AdamW.
+
+    DDP also keeps a second copy of the gradients in its buckets (gradient_as_bucket_view=False,
+    the default); those live in C++ and are not counted here as gradients.
+    """
+    name = "ddp"
+
+    def __init__(self, settings: TrainSettings):
+        self.settings = settings
+
+    def setup(self, model, device):
+        self.device = device
+        self.module = model.to(device)
+        self.model = nn.parallel.DistributedDataParallel(
+            self.module, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr)
+        self.autocast_dtype = DTYPES[self.settings.precision]
+        # fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.settings.precision == "fp16")
+
+    def forward_loss(self, tokens, labels):
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                            enabled=self.settings.precision != "fp32"):
+            logits = self.model(tokens.to(self.device))
+        return nn.functional.cross_entropy(logits.float(), labels.to(self.device))
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        # GradScaler lowers its scale exactly when it skipped the step for inf/nan gradients.
+        return scale_before is None or self.scaler.get_scale() >= scale_before
+
+    def holdings(self):
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        return Holdings(param=params, grad=grads,
+                        optimizer_state=optimizer_state_tensors(self.optimizer),
+                        grad_partition_elements=sum(g.numel() for g in grads))
+
+    def teardown(self):
+        del self.model, self.module, self.optimizer
+
+    def describe(self):
+        return {"backend": "torch.nn.parallel.DistributedDataParallel", "optimizer": "torch.optim.AdamW",
+                "lr": self.settings.lr, "autocast": self.settings.precision,
+                "gradient_as_bucket_view": False}
+
+
+class DeepSpeedZero(Strategy):
+    """DeepSpeed at ZeRO stage 0 (no ZeRO: the case study's baseline), 1, 2 or 3."""
+
+    def __init__(self, stage: int, settings: TrainSettings):
+        self.stage = stage
+        self.name = f"zero{stage}"
+        self.settings = settings
+
+    def ds_config(self) -> dict:
+        s = self.settings
+        config = {
+            "train_batch_size": s.micro_batch * s.world_size,
+            "train_micro_batch_size_per_gpu": s.micro_batch,
+            "gradient_accumulation_steps": 1,
+            # torch_adam: the same AdamW update without FusedAdam's JIT build, which takes ~40 s
+            # and crashes on TORCH_CUDA_ARCH_LIST values such as "9.0a" (DeepSpeed 0.19.8).
+            "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "torch_adam": True}},
+            "steps_per_print": 1 << 30,
+        }
+        if s.precision != "fp32":
+            config[s.precision] = {"enabled": True}
+        if self.stage > 0:
+            config["zero_optimization"] = {"stage": self.stage, "reduce_bucket_size": s.reduce_bucket_size,
+                                           "reduce_scatter": True}
+        return config
+
+    def setup(self, model, device):
+        import deepspeed
+        self.device = device
+        self.module = model
+        quiet = contextlib.nullcontext() if self.settings.verbose else contextlib.redirect_stdout(io.StringIO())
+        with quiet:
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=self.ds_config())
+
+    def forward_loss(self, tokens, labels):
+        logits = self.engine(tokens.to(self.device))
+        return nn.functional.cross_entropy(logits.float(), labels.to(self.device))
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+        return bool(self.engine.was_step_applied())
+
+    def holdings(self):
+        optimizer = self.engine.optimizer
+        kind = type(optimizer).__name__
+        params = list(self.module.parameters())
+        model_grads = [p.grad for p in params if p.grad is not None]
+        basic_state = optimizer_state_tensors(self.engine.basic_optimizer)
+
+        def fp32_grads(tensors):
+            return [t.grad for t in tensors if t.grad is not None]
+
+        if kind == "DeepSpeedZeroOptimizer":  # stages 1 and 2
+            masters = required(optimizer, "single_partition_of_fp32_groups")
+            partitions = [g for g in required(optimizer, "averaged_gradients").values() if g is not None]
+            partition_grads = [t for group in partitions for t in group]
+            return Holdings(param=params, grad=model_grads + partition_grads + fp32_grads(masters),
+                            optimizer_state=masters + basic_state,
+                            grad_partition_elements=sum(t.numel() for t in partition_grads))
+        if kind == "DeepSpeedZeroOptimizer_Stage3":
+            # Partitioned parameters keep a 0-element p.data and their shard in p.ds_tensor.
+            shards = [required(p, "ds_tensor") for p in params]
+            masters = required(optimizer, "fp32_partitioned_groups_flat")
+            grad_buffer = required(optimizer, "grad_partitions_flat_buffer")  # persistent, 1/N of the grads
+            return Holdings(param=params + shards, grad=model_grads + [grad_buffer] + fp32_grads(masters),
+                            optimizer_state=masters + basic_state,
+                            grad_partition_elements=grad_buffer.numel())
+        if kind == "FP16_UnfusedOptimizer":  # stage 0, fp16/bf16 with a torch optimizer
+            masters = [t for group in required(optimizer, "fp32_groups") for t in group]
+        elif kind == "FP16_Optimizer":  # stage 0, fp16 with FusedAdam
+            masters = list(required(optimizer, "fp32_groups_flat"))
+        elif kind == "BF16_Optimizer":
+            masters = list(required(optimizer, "fp32_groups_flat_partition"))
+            model_grads += list(required(optimizer, "fp32_groups_gradients_flat"))
+        elif optimizer is self.engine.basic_optimizer:  # stage 0 in fp32: no wrapper
+            masters = []
+        else:
+            raise MeasurementError(f"zerolens does not know where DeepSpeed's {kind} keeps gradients")
+        grads = model_grads + fp32_grads(masters)
+        return Holdings(param=params, grad=grads, optimizer_state=masters + basic_state,
+                        grad_partition_elements=sum(p.grad.numel() for p in params if p.grad is not None))
+
+    def teardown(self):
+        self.engine.destroy()
+        del self.engine, self.module
+
+    def describe(self):
+        return {"backend": "deepspeed", "ds_config": self.ds_config()}
+
+
+def make_strategy(name: str, settings: TrainSettings) -> Strategy:
+    if name == "ddp":
+        return TorchDDP(settings)
+    if name in STRATEGIES:
+        return DeepSpeedZero(int(name[-1]), settings)
+    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")

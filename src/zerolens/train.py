@@ -1,0 +1,91 @@
+"""The training loop: the same data and seed for every strategy, measured at phase boundaries."""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .data import global_batch, rank_slice
+from .measure import MemoryProbe
+from .model import ModelConfig, build_model
+from .strategies import Strategy
+
+
+@dataclass
+class Phase:
+    """Which phase a rank is in, so a failure can say where it happened."""
+    strategy: str = "-"
+    step: int = -1
+    name: str = "start"
+
+    def __str__(self):
+        where = self.name if self.strategy == "-" else f"{self.name} of {self.strategy}"
+        return where if self.step < 0 else f"{where} at step {self.step}"
+
+
+@dataclass
+class StrategyRun:
+    name: str
+    records: list[dict] = field(default_factory=list)  # one per step, this rank
+    losses: list[float] = field(default_factory=list)  # global-batch loss per step (mean over ranks)
+    param_count: int = 0
+    seconds: float = 0.0
+
+
+def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int, seed: int, signal: float,
+                   micro_batch: int, device: torch.device, phase: Phase) -> StrategyRun:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    probe = MemoryProbe(device)
+    run = StrategyRun(strategy.name)
+    phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
+    model = build_model(model_config, seed)
+    run.param_count = sum(p.numel() for p in model.parameters())
+    strategy.setup(model, device)
+    # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
+    torch.manual_seed(seed + 1 + rank)
+    start = time.perf_counter()
+    for step in range(steps):
+        phase.step = step
+        tokens, labels = global_batch(step, seed=seed, batch_size=micro_batch * world_size,
+                                      seq_len=model_config.seq_len, vocab_size=model_config.vocab_size,
+                                      num_classes=model_config.num_classes, signal=signal)
+        tokens, labels = rank_slice(tokens, labels, rank, world_size)
+        record = {"strategy": strategy.name, "rank": rank, "step": step}
+
+        phase.name = "forward"
+        probe.phase_start()
+        loss = strategy.forward_loss(tokens, labels)
+        record |= probe.phase_end("forward")
+
+        phase.name = "backward"
+        probe.phase_start()
+        strategy.backward(loss)
+        record |= probe.phase_end("backward")
+        phase.name = "census after backward"
+        record |= probe.census(strategy, "backward")
+
+        phase.name = "step"
+        probe.phase_start()
+        record["step_applied"] = strategy.step()
+        record |= probe.phase_end("step")
+        phase.name = "census after step"
+        record |= probe.census(strategy, "step")
+
+        phase.name = "loss all-reduce"
+        local_loss = loss.detach().float().reshape(1)
+        dist.all_reduce(local_loss)
+        record["loss"] = local_loss.item() / world_size  # equal micro-batches: the global-batch loss
+        record["local_loss"] = loss.item()
+        run.losses.append(record["loss"])
+        run.records.append(record)
+    run.seconds = time.perf_counter() - start
+    phase.step, phase.name = -1, "teardown"
+    strategy.teardown()
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run

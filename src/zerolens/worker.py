@@ -1,0 +1,236 @@
+"""The per-rank entry point: trains every strategy on this rank, measures, gathers to rank 0.
+
+Runs under `zerolens verify` (which starts it through torch's elastic launcher), and unchanged
+under `torchrun --nproc-per-node N -m zerolens.worker ...` or
+`deepspeed --num_gpus N --module zerolens.worker ...` (ranks come from the environment;
+the `--local_rank` that the deepspeed launcher appends is accepted).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import shlex
+import sys
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from . import report
+from .checks import loss_fell, loss_matches, zero_gradient_checks
+from .config import UserError, VerifyConfig, add_verify_arguments, config_from_args
+from .model import build_model
+from .strategies import TrainSettings, make_strategy
+from .train import Phase, train_strategy
+
+
+class RankFailure(RuntimeError):
+    """Carries the rank and phase of a failure to the launcher's error report."""
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zerolens.worker", description=__doc__)
+    add_verify_arguments(parser)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    # `zerolens verify` turns the verdict into its own exit code, so it asks for 0 here.
+    parser.add_argument("--fail-exit-code", type=int, default=1, help="exit code of rank 0 on FAIL (default 1)")
+    parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def default_run_folder() -> Path:
+    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """DeepSpeed logs at INFO on every rank; users want one table. --verbose brings it back."""
+    if verbose:
+        return
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    with contextlib.suppress(ImportError):
+        from deepspeed.utils import logger as ds_logger
+        ds_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|deepspeed)\..*")
+
+
+def init_distributed(config: VerifyConfig, local_rank: int) -> torch.device:
+    if config.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if any(s.startswith("zero") for s in config.strategies):
+        import deepspeed
+        # DeepSpeed wraps the process group that already exists. On CPU it prints a line per rank
+        # about its shared-memory collective op: keep that out of the table unless asked.
+        quiet = contextlib.nullcontext() if config.verbose else contextlib.redirect_stdout(io.StringIO())
+        with quiet:
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return device
+
+
+def rank_summary(rank: int, records: list[dict]) -> dict:
+    """Retained figures from the last step; peaks over all steps (None where not measured)."""
+    last = records[-1]
+
+    def peak(key):
+        values = [r[key] for r in records if key in r]
+        return max(values) if values else None
+
+    peaks = [p for p in (peak("peak_during_forward"), peak("peak_during_backward"), peak("peak_during_step"))
+             if p is not None]
+    return {
+        "rank": rank,
+        "grad_bytes_after_backward": last["grad_bytes_after_backward"],
+        "grad_bytes_after_step": last["grad_bytes_after_step"],
+        "grad_partition_elements": last["grad_partition_elements_after_backward"],
+        "param_bytes": last["param_bytes_after_step"],
+        "optimizer_state_bytes": last["optimizer_state_bytes_after_step"],
+        "allocated_after_backward": last.get("allocated_after_backward"),
+        "peak_during_backward": peak("peak_during_backward"),
+        "peak_during_step": peak("peak_during_step"),
+        "peak_bytes": max(peaks) if peaks else None,
+    }
+
+
+def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels: list[int]) -> dict:
+    """gathered[rank] is that rank's list of per-strategy results, in config.strategies order."""
+    strategies = {}
+    for i, name in enumerate(config.strategies):
+        per_rank = [gathered[r][i] for r in range(config.nproc)]
+        rank0 = per_rank[0]
+        strategies[name] = {
+            "losses": rank0["losses"],
+            "skipped_steps": sum(not rec["step_applied"] for rec in rank0["records"]),
+            "seconds": max(p["seconds"] for p in per_rank),
+            "settings": rank0["settings"],
+            "ranks": [rank_summary(r, p["records"]) for r, p in enumerate(per_rank)],
+        }
+    base = strategies[config.baseline]
+    checks = []
+    for name, s in strategies.items():
+        if name in ("zero1", "zero2") and config.nproc > 1:
+            checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
+    checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
+    checks += [loss_matches(name, s["losses"], config.baseline, base["losses"], config.precision)
+               for name, s in strategies.items() if name != config.baseline]
+    reported = [len(g) for g in gathered]
+    checks.append({"name": "every rank finished", "passed": reported == [len(config.strategies)] * config.nproc,
+                   "measured": sum(n == len(config.strategies) for n in reported), "expected": config.nproc,
+                   "tolerance": "all ranks", "detail": f"{config.nproc} of {config.nproc} ranks returned results "
+                   f"for {len(config.strategies)} strategies"})
+    notes = [config.precision_note] if config.precision_note else []
+    skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
+    if skipped:
+        notes.append("fp16 dynamic loss scaling skipped steps that overflowed (strategy: steps): "
+                     + ", ".join(f"{n}: {k}" for n, k in skipped.items()))
+    return {
+        "verdict": "PASS" if all(c["passed"] for c in checks) else "FAIL",
+        "world_size": config.nproc, "device": config.device, "precision": config.precision,
+        "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),
+        "notes": notes, "checks": checks, "strategies": strategies, "versions": versions(),
+    }
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    with contextlib.suppress(ImportError):
+        import deepspeed
+        out["deepspeed"] = deepspeed.__version__
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def run(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict | None:
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
+    settings = TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
+                             world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
+                             verbose=config.verbose)
+    if rank == 0:
+        report.write_json(out / "config.json", {"command": command, **config.to_json(),
+                                                "strategy_settings": {n: make_strategy(n, settings).describe()
+                                                                      for n in config.strategies}})
+        if config.precision_note:
+            print(f"zerolens: {config.precision_note}", flush=True)
+        print(f"zerolens: {config.nproc} ranks on {config.device}, strategies {', '.join(config.strategies)}, "
+              f"{config.steps} steps; run folder {out}", flush=True)
+    results = []
+    for name in config.strategies:
+        strategy = make_strategy(name, settings)
+        result = train_strategy(strategy, model_config=config.model, steps=config.steps, seed=config.seed,
+                                signal=config.signal, micro_batch=config.micro_batch, device=device,
+                                phase=phase)
+        results.append({"losses": result.losses, "records": result.records, "seconds": result.seconds,
+                        "settings": strategy.describe()})
+        if rank == 0:
+            print(f"zerolens: {name} done in {result.seconds:.1f} s, loss {result.losses[0]:.4f} -> "
+                  f"{result.losses[-1]:.4f}", flush=True)
+    phase.strategy, phase.step, phase.name = "-", -1, "writing metrics"
+    report.write_jsonl(out / f"metrics_rank{rank}.jsonl", [rec for r in results for rec in r["records"]])
+    phase.name = "gathering results"
+    gathered = [None] * config.nproc
+    dist.all_gather_object(gathered, results)
+    if rank != 0:
+        return None
+    phase.name = "writing the report"
+    param_numels = [p.numel() for p in build_model(config.model, config.seed).parameters()]
+    summary = build_summary(config, gathered, param_numels)
+    text = report.render(summary, command)
+    report.write_json(out / "summary.json", summary)
+    report.write_atomic(out / "report.md", text)
+    print("\n" + text + f"\nReport: {out / 'report.md'}\n", flush=True)
+    return summary
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = worker_parser().parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("zerolens.worker: no RANK/WORLD_SIZE in the environment; start it with zerolens verify, "
+              "torchrun or deepspeed", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    try:
+        config = config_from_args(args, world_size=world_size)
+    except UserError as e:
+        if rank == 0:
+            print(f"zerolens: {e}", file=sys.stderr)
+        return 2
+    quiet_libraries(config.verbose)
+    command = args.command or shlex.join([os.path.basename(sys.executable), "-m", "zerolens.worker",
+                                          *(argv if argv is not None else sys.argv[1:])])
+    phase = Phase(name="init")
+    try:
+        init_distributed(config, local_rank)
+        out = [Path(config.out) if config.out else default_run_folder()]
+        dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
+        summary = run(config, out[0], command, phase)
+        phase.name = "shutdown"
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:
+        raise RankFailure(f"rank {rank} failed during {phase}: {type(e).__name__}: {e}") from e
+    if summary is not None and summary["verdict"] == "FAIL":
+        return args.fail_exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
