@@ -33,6 +33,7 @@ class StrategyRun:
     losses: list[float] = field(default_factory=list)  # global-batch loss per step (mean over ranks)
     param_count: int = 0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int, seed: int, signal: float,
@@ -44,6 +45,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     model = build_model(model_config, seed)
     run.param_count = sum(p.numel() for p in model.parameters())
     strategy.setup(model, device)
+    run.notes = strategy.notes()
     # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
     torch.manual_seed(seed + 1 + rank)
     start = time.perf_counter()

@@ -134,6 +134,7 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
                    "tolerance": "all ranks", "detail": f"{config.nproc} of {config.nproc} ranks returned results "
                    f"for {len(config.strategies)} strategies"})
     notes = [config.precision_note] if config.precision_note else []
+    notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
     skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
     if skipped:
         notes.append("fp16 dynamic loss scaling skipped steps that overflowed (strategy: steps): "
@@ -177,7 +178,7 @@ def run(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict | N
                                 signal=config.signal, micro_batch=config.micro_batch, device=device,
                                 phase=phase)
         results.append({"losses": result.losses, "records": result.records, "seconds": result.seconds,
-                        "settings": strategy.describe()})
+                        "settings": strategy.describe(), "notes": result.notes})
         if rank == 0:
             print(f"zerolens: {name} done in {result.seconds:.1f} s, loss {result.losses[0]:.4f} -> "
                   f"{result.losses[-1]:.4f}", flush=True)

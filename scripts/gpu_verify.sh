@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The runs behind docs/results/: run on a machine with 2 GPUs, from the repository root, after
+# `source .whl/install.sh` (see ../shared/gpu/wheels.sh). Writes summaries, reports and one log
+# into ${OUT:-gpu-results}/ (flat: the device tool brings back at most 8 files).
+set -uo pipefail
+out=${OUT:-gpu-results}
+runs=$(mktemp -d)
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "deepspeed", deepspeed.__version__)'
+  for spec in "default|" "all|--strategies ddp,zero0,zero1,zero2,zero3" "bucket5e4|--reduce-bucket-size 5e4"; do
+    name=${spec%%|*}; flags=${spec#*|}
+    echo "=== zerolens verify $flags"
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    zerolens verify $flags --out "$runs/$name"
+    echo "exit code $? after $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s"
+    cp "$runs/$name/summary.json" "$out/${name}_summary.json"
+    cp "$runs/$name/report.md" "$out/${name}_report.md"
+  done
+  for mode in stage2 baseline; do
+    echo "=== deepspeed --num_gpus=2 examples/train_zero_stage2.py $mode --steps 20"
+    deepspeed --num_gpus=2 examples/train_zero_stage2.py "$mode" --steps 20 2>&1 | grep -E "^(step=|stage2:|baseline:)"
+  done
+  echo "=== python3 -m pytest -m gpu"
+  python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -3
+} 2>&1 | tee "$out/gpu_verify.log"

@@ -1,0 +1,19 @@
+"""On 2 GPUs: the default verify (fp16, NCCL) passes and the allocator figures are present."""
+import json
+
+import pytest
+
+from conftest import zerolens
+
+pytestmark = pytest.mark.gpu
+
+
+def test_verify_on_two_gpus(tmp_path):
+    out = tmp_path / "run"
+    result = zerolens("verify", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["precision"] == "fp16"
+    for name in ("zero0", "zero2"):
+        for rank in summary["strategies"][name]["ranks"]:
+            assert rank["peak_bytes"] > 0 and rank["allocated_after_backward"] > 0

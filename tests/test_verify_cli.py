@@ -1,0 +1,85 @@
+"""`zerolens verify` end to end through the CLI, on 2 CPU processes (gloo)."""
+import json
+
+import pytest
+
+from conftest import zerolens
+from zerolens.checks import LOSS_MATCH_TOLERANCE
+from zerolens.model import ModelConfig, build_model
+from zerolens.theory import zero_partition_layout
+
+
+@pytest.fixture(scope="module")
+def verify_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "verify"
+    result = zerolens("verify", "--out", str(out), timeout=400)
+    return result, out
+
+
+def test_default_verify_passes_and_prints_one_table(verify_run):
+    result, out = verify_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Verdict: PASS" in result.stdout
+    assert result.stdout.count("## Memory per rank") == 1  # rank 0 alone prints
+    assert "bf16 is used instead of the case study's fp16" in result.stdout  # precision change is said
+    assert "[INFO]" not in result.stdout + result.stderr  # DeepSpeed's logging stays hidden
+
+
+def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
+    _, out = verify_run
+    for name in ("config.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md", "summary.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS" and summary["world_size"] == 2 and summary["device"] == "cpu"
+    assert set(summary["strategies"]) == {"zero0", "zero2"}
+    for check in summary["checks"]:
+        assert {"name", "passed", "measured", "expected"} <= set(check)
+    for rank in summary["strategies"]["zero2"]["ranks"]:
+        assert {"rank", "grad_bytes_after_backward", "grad_bytes_after_step", "param_bytes",
+                "optimizer_state_bytes", "peak_bytes"} <= set(rank)
+        assert rank["peak_bytes"] is None  # no allocator to ask on CPU
+    lines = (out / "metrics_rank1.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * summary["steps"]
+    assert json.loads(lines[0])["rank"] == 1
+    assert "Verdict: PASS" in (out / "report.md").read_text()
+
+
+def test_zero2_gradients_are_the_predicted_partition(verify_run):
+    _, out = verify_run
+    summary = json.loads((out / "summary.json").read_text())
+    numels = [p.numel() for p in build_model(ModelConfig(), 0).parameters()]
+    layout = zero_partition_layout(numels, 2)
+    base = summary["strategies"]["zero0"]["ranks"]
+    for r, rank in enumerate(summary["strategies"]["zero2"]["ranks"]):
+        assert rank["grad_partition_elements"] == layout[r].partition_elements
+        assert abs(rank["grad_partition_elements"] / base[r]["grad_partition_elements"] - 0.5) < 1e-4
+        assert rank["grad_bytes_after_backward"] == 2 * layout[r].held_grad_elements  # bf16
+
+
+def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
+    _, out = verify_run
+    summary = json.loads((out / "summary.json").read_text())
+    base = summary["strategies"]["zero0"]["losses"]
+    zero2 = summary["strategies"]["zero2"]["losses"]
+    w = len(base) // 5
+    for losses in (base, zero2):
+        assert sum(losses[-w:]) / w < 0.95 * sum(losses[:w]) / w
+    assert max(abs(a - b) for a, b in zip(base, zero2)) <= LOSS_MATCH_TOLERANCE["bf16"]
+
+
+def test_existing_run_folder_is_not_overwritten(verify_run):
+    _, out = verify_run
+    result = zerolens("verify", "--out", str(out), timeout=60)
+    assert result.returncode == 2
+    assert "already exists" in result.stderr
+
+
+def test_every_strategy_on_two_ranks(tmp_path):
+    out = tmp_path / "all"
+    result = zerolens("verify", "--strategies", "ddp,zero0,zero1,zero2,zero3", "--steps", "60",
+                      "--out", str(out), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["strategies"]) == ["ddp", "zero0", "zero1", "zero2", "zero3"]
+    names = [c["name"] for c in summary["checks"]]
+    assert "gradient bytes held (zero1, rank 1)" in names and "loss fell (zero3)" in names
