@@ -83,3 +83,15 @@ def test_every_strategy_on_two_ranks(tmp_path):
     assert list(summary["strategies"]) == ["ddp", "zero0", "zero1", "zero2", "zero3"]
     names = [c["name"] for c in summary["checks"]]
     assert "gradient bytes held (zero1, rank 1)" in names and "loss fell (zero3)" in names
+
+
+def test_worker_runs_unchanged_under_torchrun(tmp_path):
+    import sys
+    from conftest import run
+    out = tmp_path / "torchrun"
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  "-m", "zerolens.worker", "--steps", "40", "--out", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS" and summary["world_size"] == 2
+    assert result.stdout.count("## Memory per rank") == 1
