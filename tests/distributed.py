@@ -5,6 +5,7 @@ the test and ends every rank.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -23,6 +24,7 @@ def _entry(fn, rank, world_size, port, folder, args):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1")
+    faulthandler.enable()  # a C++ abort on one rank still shows where Python was
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)

@@ -22,8 +22,11 @@ def test_tied_weights_count_once():
 def test_a_storage_counts_under_the_first_component_only():
     p = torch.zeros(8)
     g = torch.zeros(4, dtype=torch.float16)
-    out = count(Holdings(param=[p], grad=[g, p], optimizer_state=[p[:2]], grad_partition_elements=4))
-    assert out == {"param_bytes": 32, "grad_bytes": 8, "optimizer_state_bytes": 0, "grad_partition_elements": 4}
+    b = torch.zeros(2, dtype=torch.float64)
+    out = count(Holdings(param=[p], grad=[g, p], optimizer_state=[p[:2]], comm_buffer=[b, g],
+                         grad_partition_elements=4))
+    assert out == {"param_bytes": 32, "grad_bytes": 8, "optimizer_state_bytes": 0, "comm_buffer_bytes": 16,
+                   "grad_partition_elements": 4}
 
 
 def test_none_and_meta_tensors_are_skipped():

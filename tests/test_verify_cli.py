@@ -95,3 +95,18 @@ def test_worker_runs_unchanged_under_torchrun(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "PASS" and summary["world_size"] == 2
     assert result.stdout.count("## Memory per rank") == 1
+
+
+def test_summary_carries_predictions_and_the_bucket_advice(verify_run):
+    _, out = verify_run
+    summary = json.loads((out / "summary.json").read_text())
+    for name, s in summary["strategies"].items():
+        for rank in s["ranks"]:
+            for key, predicted in rank["predicted"].items():
+                assert rank[key] == predicted, (name, rank["rank"], key)
+            assert rank["activation_bytes_after_forward"] > 0
+    names = [c["name"] for c in summary["checks"]]
+    assert "retained memory as predicted (zero2, rank 1)" in names
+    # The case study's 5e7-element bucket is ~95 MiB against ~1 MiB of gradients: said, with a fix.
+    advice = [n for n in summary["notes"] if n.startswith("zero2: reduce_bucket_size")]
+    assert advice and "Try --reduce-bucket-size 2e+05" in advice[0]

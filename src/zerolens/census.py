@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-COMPONENTS = ("param", "grad", "optimizer_state")
+COMPONENTS = ("param", "grad", "optimizer_state", "comm_buffer")
 
 
 class MeasurementError(RuntimeError):
@@ -20,6 +20,10 @@ class MeasurementError(RuntimeError):
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set:
+    return {_storage_key(t) for t in tensors if t is not None and t.device.type != "meta"}
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
@@ -46,6 +50,7 @@ class Holdings:
     param: list[torch.Tensor]
     grad: list[torch.Tensor]
     optimizer_state: list[torch.Tensor]
+    comm_buffer: list[torch.Tensor]  # reduce buckets (DeepSpeed) and gradient buckets (DDP)
     # Elements of the gradient this rank owns (its partition, padding included). Under ZeRO the
     # buffer holding them can be larger than the partition; see theory.zero_partition_layout.
     grad_partition_elements: int

@@ -80,3 +80,14 @@ def zero_gradient_checks(name: str, ranks: list[dict], baseline_ranks: list[dict
                     + (f", plus {part.padding_elements} elements of alignment padding" if part.padding_elements
                        else ""))))
     return out
+
+
+def prediction_check(name: str, rank: dict) -> dict:
+    """Retained bytes per component equal theory.predict_retained's, byte for byte."""
+    predicted = rank["predicted"]
+    measured = {k: rank[k] for k in predicted}
+    wrong = {k: (measured[k], predicted[k]) for k in predicted if measured[k] != predicted[k]}
+    detail = ("params, gradients, optimizer states and buffers as predicted from the parameter sizes"
+              if not wrong else "differs: " + ", ".join(f"{k} measured {m} predicted {p}" for k, (m, p) in wrong.items()))
+    return check(f"retained memory as predicted ({name}, rank {rank['rank']})", not wrong,
+                 measured=measured, expected=predicted, tolerance="exact (0 bytes)", detail=detail)

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from . import __version__
 from .config import UserError, add_verify_arguments, config_from_args
+from .estimate import estimate, param_numels_from_factory, preset_numels, render_estimate
+from .model import PRESETS
+from .strategies import STRATEGIES
 from .launch import WorkersFailed, launch_local
 from .worker import default_run_folder
 
@@ -53,12 +56,50 @@ def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
     return 0 if summary["verdict"] == "PASS" else 1
 
 
+def estimate_parser(subparsers) -> None:
+    p = subparsers.add_parser("estimate", help="predict per-rank memory without training or GPUs",
+                              description="Per-rank memory by component for each strategy, from the parameter "
+                                          "sizes alone: a built-in preset, your model, or a raw count.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: case-study")
+    source.add_argument("--model", metavar="MODULE:FACTORY",
+                        help="a function returning your nn.Module; it is built on the meta device")
+    source.add_argument("--params", type=float, help="a raw parameter count, e.g. 7.5e9 (the paper's formulas)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--reduce-bucket-size", type=float, default=5e7)
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    p.set_defaults(func=estimate_command)
+
+
+def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
+    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise UserError(f"unknown strategy {unknown[0] if unknown else ''!r}; choose from {', '.join(STRATEGIES)}")
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.params is not None and args.params <= 0:
+        raise UserError(f"--params must be positive, got {args.params}")
+    try:
+        numels = (None if args.params is not None else
+                  param_numels_from_factory(args.model) if args.model else preset_numels(args.preset or "case-study"))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    result = estimate(strategies=strategies, world_size=args.nproc, precision=args.precision,
+                      reduce_bucket_size=int(args.reduce_bucket_size), param_numels=numels, params=args.params)
+    print(json.dumps(result, indent=2) if args.json else render_estimate(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = ArgumentParser(prog="zerolens", description="What data-parallel sharding does to training memory.")
     parser.add_argument("--version", action="version", version=f"zerolens {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     verify_parser(subparsers)
+    estimate_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args, argv)

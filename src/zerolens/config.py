@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import ModelConfig
+from .model import PRESETS, ModelConfig
 from .strategies import STRATEGIES
 
 
@@ -34,6 +34,7 @@ class VerifyConfig:
     lr: float = 1e-4
     reduce_bucket_size: int = 50_000_000
     signal: float = 0.8  # fraction of class tokens in each sample (data.py)
+    preset: str = "case-study"
     model: ModelConfig = field(default_factory=ModelConfig)
     out: str | None = None
     verbose: bool = False
@@ -79,6 +80,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: cuda when at least 2 GPUs are visible, else cpu")
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
                         help="default: fp16 on cuda (the case study's), bf16 on cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
+                        help="the model (default: case-study, the demo's 0.53M-parameter Transformer)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
@@ -126,4 +129,4 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     return VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
                         precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
-                        out=args.out, verbose=args.verbose)
+                        preset=args.preset, model=PRESETS[args.preset], out=args.out, verbose=args.verbose)

@@ -1,12 +1,18 @@
-"""Per-rank, per-step memory readings: the tensor census and, on CUDA, the allocator.
+"""Per-rank, per-step memory readings, kept apart from the training loop.
 
-Kept apart from the training loop, which only calls `phase_start` / `phase_end` / `census`.
+Two independent views:
+- the tensor census (census.py): the storages behind the tensors each backend holds, by component,
+  plus the activations autograd saved for backward, counted through saved-tensor hooks;
+- on CUDA, the caching allocator: allocated, active and reserved bytes, their peaks per phase,
+  allocation retries and OOMs (torch.cuda.memory_stats).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .census import MeasurementError, count
+from .census import MeasurementError, count, storage_bytes, storage_keys
 from .strategies import Strategy
 
 
@@ -24,8 +30,29 @@ class MemoryProbe:
         if not self.cuda:
             return {}
         torch.cuda.synchronize()
-        return {f"allocated_after_{phase}": torch.cuda.memory_allocated(),
-                f"peak_during_{phase}": torch.cuda.max_memory_allocated()}
+        stats = torch.cuda.memory_stats()
+        return {f"allocated_after_{phase}": stats["allocated_bytes.all.current"],
+                f"peak_during_{phase}": stats["allocated_bytes.all.peak"],
+                f"active_peak_during_{phase}": stats["active_bytes.all.peak"],
+                f"reserved_after_{phase}": stats["reserved_bytes.all.current"],
+                f"reserved_peak_during_{phase}": stats["reserved_bytes.all.peak"],
+                "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"]}
+
+    @contextlib.contextmanager
+    def saved_activations(self, strategy: Strategy, into: dict):
+        """Counts the tensors autograd saves for backward during the block (forward), each storage
+        once and leaving out the parameters' own storages."""
+        saved: list[torch.Tensor] = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        params = storage_keys(strategy.holdings().param)
+        into["activation_bytes_after_forward"] = storage_bytes(saved, seen=params)
+        saved.clear()  # autograd holds them until backward; we must not hold them longer
 
     def census(self, strategy: Strategy, moment: str) -> dict:
         counted = count(strategy.holdings())

@@ -27,6 +27,16 @@ class ModelConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
 
 
+# Built-in models. "case-study" is the demo's; "case-study-130m" is the same architecture scaled to
+# 133.6M parameters (a 32000-token vocabulary, width 1024, 8 layers), for memory that is not
+# dominated by buffers and workspaces.
+PRESETS = {
+    "case-study": ModelConfig(),
+    "case-study-130m": ModelConfig(vocab_size=32000, d_model=1024, num_layers=8, num_heads=16, ffn_dim=4096,
+                                   seq_len=128),
+}
+
+
 class CaseStudyModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -23,6 +23,15 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def with_prediction(rank: dict, key: str) -> str:
+    """The measured MiB, and the prediction beside it only where the two differ."""
+    measured, predicted = rank[key], rank.get("predicted", {}).get(key)
+    if predicted is None or predicted == measured:
+        return mib(measured)
+    error = (measured - predicted) / predicted if predicted else float("inf")
+    return f"{mib(measured)} (predicted {mib(predicted)}, {error:+.1%})"
+
+
 def memory_table(summary: dict) -> str:
     baseline = summary["strategies"][summary["baseline"]]["ranks"]
     rows = []
@@ -30,17 +39,36 @@ def memory_table(summary: dict) -> str:
         for r in s["ranks"]:
             base = baseline[r["rank"]]
             rows.append([
-                name, r["rank"],
-                mib(r["grad_bytes_after_backward"]), ratio(r["grad_bytes_after_backward"],
-                                                           base["grad_bytes_after_backward"]),
+                name, r["rank"], with_prediction(r, "param_bytes"),
+                with_prediction(r, "grad_bytes_after_backward"),
+                ratio(r["grad_bytes_after_backward"], base["grad_bytes_after_backward"]),
                 r["grad_partition_elements"], ratio(r["grad_partition_elements"], base["grad_partition_elements"]),
-                mib(r["grad_bytes_after_step"]), mib(r["param_bytes"]), mib(r["optimizer_state_bytes"]),
-                mib(r["allocated_after_backward"]), mib(r["peak_during_backward"]), mib(r["peak_during_step"]),
+                with_prediction(r, "grad_bytes_after_step"), with_prediction(r, "optimizer_state_bytes"),
+                with_prediction(r, "comm_buffer_bytes_after_backward"), mib(r["activation_bytes_after_forward"]),
             ])
-    header = ["strategy", "rank", "grads held after backward (MiB)", "vs baseline", "grad partition (elements)",
-              "vs baseline", "grads after step (MiB)", "params (MiB)", "optimizer states (MiB)",
-              "allocated after backward (MiB)", "peak in backward (MiB)", "peak in step (MiB)"]
+    header = ["strategy", "rank", "params", "grads after backward", "vs baseline", "grad partition (elements)",
+              "vs baseline", "grads after step", "optimizer states", "comm buffers after backward",
+              "activations saved in forward"]
     return markdown_table(header, rows)
+
+
+def allocator_table(summary: dict) -> str | None:
+    """CUDA only: the allocator against the census, retained (after the step) and peak."""
+    rows = []
+    for name, s in summary["strategies"].items():
+        for r in s["ranks"]:
+            if r["allocated_after_step"] is None:
+                return None
+            census = (r["param_bytes"] + r["grad_bytes_after_step"] + r["optimizer_state_bytes"]
+                      + r["comm_buffer_bytes_after_step"])
+            other = r["allocated_after_step"] - census
+            rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(census), mib(other),
+                         mib(r["allocated_after_backward"]), mib(r["peak_during_forward"]),
+                         mib(r["peak_during_backward"]), mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"]),
+                         r["alloc_retries"], r["ooms"]])
+    return markdown_table(["strategy", "rank", "allocated after step", "census after step",
+                           "other (allocator - census)", "allocated after backward", "peak in forward",
+                           "peak in backward", "peak in step", "reserved peak", "alloc retries", "OOMs"], rows)
 
 
 def loss_table(summary: dict) -> str:
@@ -64,6 +92,18 @@ def checks_text(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def allocator_section(summary: dict) -> str:
+    table = allocator_table(summary)
+    if table is None:
+        return ""
+    return f"""
+### The CUDA allocator beside the census (MiB)
+"other" is what the allocator holds that no counted tensor explains (cuBLAS workspaces, for one).
+
+{table}
+"""
+
+
 def render(summary: dict, command: str) -> str:
     """The same text for the terminal and report.md."""
     ws, dev = summary["world_size"], summary["device"]
@@ -73,12 +113,13 @@ def render(summary: dict, command: str) -> str:
 {ws} ranks on {dev}, {summary['precision']}, {summary['param_count']:,} parameters, {summary['steps']} steps, \
 baseline {summary['baseline']}. Command: `{command}`
 {notes}
-## Memory per rank
-Gradients are counted from the tensors each rank holds (each storage once, MiB = 1024^2 bytes); \
-"grad partition" is the number of gradient elements the rank owns. Allocator columns are CUDA only.
+## Memory per rank (MiB = 1024^2 bytes)
+Counted from the tensors each rank holds, each storage once; a prediction from the parameter sizes \
+is shown only where it differs from the measurement. "grad partition" is the number of gradient \
+elements the rank owns.
 
 {memory_table(summary)}
-
+{allocator_section(summary)}
 ## Loss (global batch, mean over ranks)
 
 {loss_table(summary)}

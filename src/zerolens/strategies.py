@@ -82,9 +82,19 @@ class TorchDDP(Strategy):
         self.model = nn.parallel.DistributedDataParallel(
             self.module, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr)
+        # DDP's gradient buckets live in C++; a communication hook is the public way to see them.
+        # It does what the built-in hook does (average by all-reduce) and keeps a reference to
+        # each bucket's flat buffer, which the reducer keeps for the life of the model anyway.
+        self.bucket_buffers: dict[int, torch.Tensor] = {}
+        self.model.register_comm_hook(None, self._allreduce_and_remember_bucket)
         self.autocast_dtype = DTYPES[self.settings.precision]
         # fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.settings.precision == "fp16")
+
+    def _allreduce_and_remember_bucket(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        self.bucket_buffers[bucket.index()] = bucket.buffer()
+        return allreduce_hook(None, bucket)
 
     def forward_loss(self, tokens, labels):
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
@@ -108,10 +118,11 @@ class TorchDDP(Strategy):
         grads = [p.grad for p in params if p.grad is not None]
         return Holdings(param=params, grad=grads,
                         optimizer_state=optimizer_state_tensors(self.optimizer),
+                        comm_buffer=list(self.bucket_buffers.values()),
                         grad_partition_elements=sum(g.numel() for g in grads))
 
     def teardown(self):
-        del self.model, self.module, self.optimizer
+        del self.model, self.module, self.optimizer, self.bucket_buffers
 
     def describe(self):
         return {"backend": "torch.nn.parallel.DistributedDataParallel", "optimizer": "torch.optim.AdamW",
@@ -199,12 +210,15 @@ class DeepSpeedZero(Strategy):
         def fp32_grads(tensors):
             return [t.grad for t in tensors if t.grad is not None]
 
+        buckets = required(optimizer, "ipg_buckets").values() if hasattr(optimizer, "ipg_buckets") else []
+
         if kind == "DeepSpeedZeroOptimizer":  # stages 1 and 2
             masters = required(optimizer, "single_partition_of_fp32_groups")
             partitions = [g for g in required(optimizer, "averaged_gradients").values() if g is not None]
             partition_grads = [t for group in partitions for t in group]
             return Holdings(param=params, grad=model_grads + partition_grads + fp32_grads(masters),
                             optimizer_state=masters + basic_state,
+                            comm_buffer=[t for b in buckets for t in required(b, "buffer")],
                             grad_partition_elements=sum(t.numel() for t in partition_grads))
         if kind == "DeepSpeedZeroOptimizer_Stage3":
             # Partitioned parameters keep a 0-element p.data and their shard in p.ds_tensor.
@@ -213,6 +227,7 @@ class DeepSpeedZero(Strategy):
             grad_buffer = required(optimizer, "grad_partitions_flat_buffer")  # persistent, 1/N of the grads
             return Holdings(param=params + shards, grad=model_grads + [grad_buffer] + fp32_grads(masters),
                             optimizer_state=masters + basic_state,
+                            comm_buffer=[required(b, "buffer") for b in buckets],
                             grad_partition_elements=grad_buffer.numel())
         if kind == "FP16_UnfusedOptimizer":  # stage 0, fp16/bf16 with a torch optimizer
             masters = [t for group in required(optimizer, "fp32_groups") for t in group]
@@ -226,7 +241,7 @@ class DeepSpeedZero(Strategy):
         else:
             raise MeasurementError(f"zerolens does not know where DeepSpeed's {kind} keeps gradients")
         grads = model_grads + fp32_grads(masters)
-        return Holdings(param=params, grad=grads, optimizer_state=masters + basic_state,
+        return Holdings(param=params, grad=grads, optimizer_state=masters + basic_state, comm_buffer=[],
                         grad_partition_elements=sum(p.grad.numel() for p in params if p.grad is not None))
 
     def teardown(self):

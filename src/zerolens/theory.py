@@ -55,3 +55,83 @@ def zero_partition_layout(param_numels: list[int], world_size: int) -> list[Rank
             overlapping_params=overlapping,
             grad_buffer_elements=sum(param_numels[i] for i in overlapping)))
     return layout
+
+
+# --- What each rank keeps between steps, per strategy -------------------------------------------
+# Byte sizes of the pieces. K = 12 in the ZeRO paper's notation: fp32 master weights, momentum
+# and variance. torch's AdamW also keeps its `step` counter as a float32 scalar tensor per
+# parameter tensor it updates.
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+FP32 = 4
+ADAM_MOMENTS = 8
+STEP_COUNTER = 4
+STAGE3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's param_persistence_threshold default
+RETAINED_KEYS = ("param_bytes", "grad_bytes_after_backward", "grad_bytes_after_step", "optimizer_state_bytes",
+                 "comm_buffer_bytes_after_backward", "grad_partition_elements")
+
+
+def stage3_shard_elements(param_numels: list[int], world_size: int) -> int:
+    """ZeRO-3 pads each parameter to a multiple of N and gives every rank ceil(n / N) of it."""
+    return sum(math.ceil(n / world_size) for n in param_numels)
+
+
+def predict_retained(strategy: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
+                     reduce_bucket_size: int = 50_000_000) -> dict:
+    """Bytes a rank holds per component, right after backward and after the step.
+
+    The layouts are those of torch DDP (gradient_as_bucket_view=False) and DeepSpeed 0.19
+    with a torch AdamW (`torch_adam`) and contiguous_gradients (its default).
+    """
+    psi, tensors = sum(param_numels), len(param_numels)
+    e = ELEMENT_BYTES[precision]
+    if strategy == "ddp":  # fp32 weights and gradients under autocast; buckets mirror the gradients
+        return dict(param_bytes=FP32 * psi, grad_bytes_after_backward=FP32 * psi, grad_bytes_after_step=0,
+                    optimizer_state_bytes=ADAM_MOMENTS * psi + STEP_COUNTER * tensors,
+                    comm_buffer_bytes_after_backward=FP32 * psi, grad_partition_elements=psi)
+    if strategy == "zero0":  # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
+        masters = FP32 * psi if e == 2 else 0
+        return dict(param_bytes=e * psi, grad_bytes_after_backward=e * psi, grad_bytes_after_step=0,
+                    optimizer_state_bytes=masters + ADAM_MOMENTS * psi + STEP_COUNTER * tensors,
+                    comm_buffer_bytes_after_backward=0, grad_partition_elements=psi)
+    if strategy in ("zero1", "zero2"):  # one flat group; the reduce bucket is freed by backward's end
+        part = zero_partition_layout(param_numels, world_size)[rank]
+        p = part.partition_elements
+        return dict(param_bytes=e * p * world_size, grad_bytes_after_backward=e * part.held_grad_elements,
+                    grad_bytes_after_step=0, optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
+                    comm_buffer_bytes_after_backward=0, grad_partition_elements=p)
+    if strategy == "zero3":  # shards, small parameters kept whole, a persistent gradient partition and bucket
+        shard = stage3_shard_elements(param_numels, world_size)
+        # Small parameters stay gathered after their first use, in a buffer of N padded shards.
+        persistent = sum(math.ceil(n / world_size) * world_size for n in param_numels
+                         if n <= STAGE3_PERSISTENCE_THRESHOLD)
+        return dict(param_bytes=e * (shard + persistent), grad_bytes_after_backward=e * shard,
+                    grad_bytes_after_step=e * shard, optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
+                    comm_buffer_bytes_after_backward=e * reduce_bucket_size, grad_partition_elements=shard)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def transient_reduce_bucket_bytes(strategy: str, precision: str, reduce_bucket_size: int) -> int:
+    """Bytes of the reduce bucket that ZeRO-1/2 allocate on every backward, whatever the model's size."""
+    return ELEMENT_BYTES[precision] * reduce_bucket_size if strategy in ("zero1", "zero2") else 0
+
+
+# --- The ZeRO paper (arXiv 1910.02054, section 3) and DeepSpeed's own estimator ----------------------
+
+def paper_model_states(psi: float, world_size: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per GPU with mixed-precision Adam: 16-bit weights and gradients, K bytes of
+    optimizer state per parameter. Stage 0 is plain data parallelism."""
+    return {0: (2 + 2 + k) * psi,
+            1: (2 + 2) * psi + k * psi / world_size,
+            2: 2 * psi + (2 + k) * psi / world_size,
+            3: (2 + 2 + k) * psi / world_size}[stage]
+
+
+def deepspeed_estimator(psi: float, world_size: int, stage: int, largest_layer: float = 0) -> float | None:
+    """GPU bytes from DeepSpeed's estimate_zero{2,3}_model_states_mem_needs without offload: it counts
+    an fp32 gradient copy too (18 = 2 + 4 + 4 + 8 bytes sharded) and, for stage 3, the largest
+    layer gathered in fp32. It has no formula for stages 0 and 1."""
+    if stage == 2:
+        return 2 * psi + int(18 * psi / world_size)
+    if stage == 3:
+        return 4 * largest_layer + int(18 * psi / world_size)
+    return None

@@ -59,7 +59,8 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
 
         phase.name = "forward"
         probe.phase_start()
-        loss = strategy.forward_loss(tokens, labels)
+        with probe.saved_activations(strategy, into=record):
+            loss = strategy.forward_loss(tokens, labels)
         record |= probe.phase_end("forward")
 
         phase.name = "backward"

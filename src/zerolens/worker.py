@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import report
-from .checks import loss_fell, loss_matches, zero_gradient_checks
 from .config import UserError, VerifyConfig, add_verify_arguments, config_from_args
 from .model import build_model
 from .strategies import TrainSettings, make_strategy
+from .summary import build_summary
 from .train import Phase, train_strategy
 
 
@@ -83,70 +83,6 @@ def init_distributed(config: VerifyConfig, local_rank: int) -> torch.device:
     return device
 
 
-def rank_summary(rank: int, records: list[dict]) -> dict:
-    """Retained figures from the last step; peaks over all steps (None where not measured)."""
-    last = records[-1]
-
-    def peak(key):
-        values = [r[key] for r in records if key in r]
-        return max(values) if values else None
-
-    peaks = [p for p in (peak("peak_during_forward"), peak("peak_during_backward"), peak("peak_during_step"))
-             if p is not None]
-    return {
-        "rank": rank,
-        "grad_bytes_after_backward": last["grad_bytes_after_backward"],
-        "grad_bytes_after_step": last["grad_bytes_after_step"],
-        "grad_partition_elements": last["grad_partition_elements_after_backward"],
-        "param_bytes": last["param_bytes_after_step"],
-        "optimizer_state_bytes": last["optimizer_state_bytes_after_step"],
-        "allocated_after_backward": last.get("allocated_after_backward"),
-        "peak_during_backward": peak("peak_during_backward"),
-        "peak_during_step": peak("peak_during_step"),
-        "peak_bytes": max(peaks) if peaks else None,
-    }
-
-
-def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels: list[int]) -> dict:
-    """gathered[rank] is that rank's list of per-strategy results, in config.strategies order."""
-    strategies = {}
-    for i, name in enumerate(config.strategies):
-        per_rank = [gathered[r][i] for r in range(config.nproc)]
-        rank0 = per_rank[0]
-        strategies[name] = {
-            "losses": rank0["losses"],
-            "skipped_steps": sum(not rec["step_applied"] for rec in rank0["records"]),
-            "seconds": max(p["seconds"] for p in per_rank),
-            "settings": rank0["settings"],
-            "ranks": [rank_summary(r, p["records"]) for r, p in enumerate(per_rank)],
-        }
-    base = strategies[config.baseline]
-    checks = []
-    for name, s in strategies.items():
-        if name in ("zero1", "zero2") and config.nproc > 1:
-            checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
-    checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
-    checks += [loss_matches(name, s["losses"], config.baseline, base["losses"], config.precision)
-               for name, s in strategies.items() if name != config.baseline]
-    reported = [len(g) for g in gathered]
-    checks.append({"name": "every rank finished", "passed": reported == [len(config.strategies)] * config.nproc,
-                   "measured": sum(n == len(config.strategies) for n in reported), "expected": config.nproc,
-                   "tolerance": "all ranks", "detail": f"{config.nproc} of {config.nproc} ranks returned results "
-                   f"for {len(config.strategies)} strategies"})
-    notes = [config.precision_note] if config.precision_note else []
-    notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
-    skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
-    if skipped:
-        notes.append("fp16 dynamic loss scaling skipped steps that overflowed (strategy: steps): "
-                     + ", ".join(f"{n}: {k}" for n, k in skipped.items()))
-    return {
-        "verdict": "PASS" if all(c["passed"] for c in checks) else "FAIL",
-        "world_size": config.nproc, "device": config.device, "precision": config.precision,
-        "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),
-        "notes": notes, "checks": checks, "strategies": strategies, "versions": versions(),
-    }
-
-
 def versions() -> dict:
     out = {"torch": torch.__version__, "cuda": torch.version.cuda}
     with contextlib.suppress(ImportError):
@@ -191,7 +127,7 @@ def run(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict | N
         return None
     phase.name = "writing the report"
     param_numels = [p.numel() for p in build_model(config.model, config.seed).parameters()]
-    summary = build_summary(config, gathered, param_numels)
+    summary = build_summary(config, gathered, param_numels, versions())
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)

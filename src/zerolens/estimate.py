@@ -1,0 +1,110 @@
+"""`zerolens estimate`: per-rank memory predicted without training, GPUs or torch.distributed.
+
+Pure computation (`estimate`) apart from presentation (`render_estimate`).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from .model import PRESETS, build_model
+from .strategies import STRATEGIES
+from .theory import (RETAINED_KEYS, deepspeed_estimator, paper_model_states, predict_retained,
+                     transient_reduce_bucket_bytes)
+
+STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def param_numels_from_factory(spec: str) -> list[int]:
+    """`module:factory` -> the sizes of the model's parameters, built on the meta device (no memory)."""
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        raise ValueError(f"--model takes module:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load {spec}: {e}") from None
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return [p.numel() for p in model.parameters()]  # parameters() yields a tied weight once
+
+
+def preset_numels(name: str) -> list[int]:
+    with torch.device("meta"):
+        return [p.numel() for p in build_model(PRESETS[name], seed=0).parameters()]
+
+
+def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
+             param_numels: list[int] | None = None, params: float | None = None) -> dict:
+    """Per-strategy prediction. With parameter sizes: DeepSpeed's and DDP's real layout per rank.
+    With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients)."""
+    psi = sum(param_numels) if param_numels is not None else params
+    out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
+           "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
+           "strategies": {}}
+    for name in strategies:
+        stage = STAGE[name]
+        entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, stage),
+                 "deepspeed_estimator_bytes": deepspeed_estimator(psi, world_size, stage,
+                                                                  max(param_numels) if param_numels else 0)}
+        if param_numels is None:
+            shard = world_size if stage == 3 else 1
+            entry["paper_components"] = {
+                "param_bytes": 2 * psi / shard, "grad_bytes": 2 * psi / (world_size if stage >= 2 else 1),
+                "optimizer_state_bytes": 12 * psi / (world_size if stage >= 1 else 1)}
+            entry["ranks"] = None
+        else:
+            ranks = []
+            for rank in range(world_size):
+                r = predict_retained(name, param_numels, world_size, rank, precision,
+                                     reduce_bucket_size=reduce_bucket_size)
+                r = {"rank": rank, **{k: r[k] for k in RETAINED_KEYS}}
+                r["transient_reduce_bucket_bytes"] = transient_reduce_bucket_bytes(name, precision,
+                                                                                   reduce_bucket_size)
+                r["retained_total_bytes"] = (r["param_bytes"] + r["grad_bytes_after_step"]
+                                             + r["optimizer_state_bytes"])
+                ranks.append(r)
+            entry["ranks"] = ranks
+        out["strategies"][name] = entry
+    return out
+
+
+def human(n: float | None) -> str:
+    """MiB below 1 GiB, GiB above; both 1024-based."""
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.3f} MiB"
+
+
+def render_estimate(result: dict) -> str:
+    from .report import markdown_table
+    n, psi = result["world_size"], result["params"]
+    lines = [f"zerolens estimate: {psi:,.0f} parameters, {n} ranks, {result['precision']}"]
+    if next(iter(result["strategies"].values()))["ranks"] is None:
+        rows = [[name, human(e["paper_components"]["param_bytes"]), human(e["paper_components"]["grad_bytes"]),
+                 human(e["paper_components"]["optimizer_state_bytes"]), human(e["paper_model_states_bytes"]),
+                 human(e["deepspeed_estimator_bytes"])] for name, e in result["strategies"].items()]
+        lines += ["ZeRO paper's formulas per rank (16-bit weights and gradients, K = 12): parameter sizes unknown, "
+                  "so no padding, partition-boundary or bucket terms.", "",
+                  markdown_table(["strategy", "params", "gradients", "optimizer states", "model states (paper)",
+                                  "DeepSpeed estimator"], rows)]
+        return "\n".join(lines)
+    rows = []
+    for name, e in result["strategies"].items():
+        ranks = e["ranks"]
+        largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))
+        for r in [ranks[0]] + ([largest] if largest is not ranks[0] else []):
+            rows.append([name, r["rank"], human(r["param_bytes"]), human(r["grad_bytes_after_backward"]),
+                         human(r["grad_bytes_after_step"]), human(r["optimizer_state_bytes"]),
+                         human(r["comm_buffer_bytes_after_backward"]), human(r["transient_reduce_bucket_bytes"]),
+                         human(e["paper_model_states_bytes"]), human(e["deepspeed_estimator_bytes"])])
+    lines += ["Per rank, from the real layout (padding, partition boundaries, buckets); rank 0 and the rank "
+              "holding the most gradients. Activations are not included.", "",
+              markdown_table(["strategy", "rank", "params", "grads after backward", "grads after step",
+                              "optimizer states", "comm buffers kept", "reduce bucket in backward",
+                              "model states (paper)", "DeepSpeed estimator"], rows)]
+    return "\n".join(lines)

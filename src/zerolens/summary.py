@@ -1,0 +1,123 @@
+"""From the per-rank results gathered on rank 0 to summary.json: figures, predictions, checks, notes."""
+from __future__ import annotations
+
+from .checks import loss_fell, loss_matches, prediction_check, zero_gradient_checks
+from .config import VerifyConfig
+from .report import MiB
+from .theory import ELEMENT_BYTES, RETAINED_KEYS, predict_retained
+
+
+def rank_summary(rank: int, records: list[dict]) -> dict:
+    """Retained figures from the last step; peaks over all steps (None where not measured)."""
+    last = records[-1]
+
+    def peak(key):
+        values = [r[key] for r in records if key in r]
+        return max(values) if values else None
+
+    phases = ("forward", "backward", "step")
+    peaks = [p for p in (peak(f"peak_during_{ph}") for ph in phases) if p is not None]
+    reserved = [p for p in (peak(f"reserved_peak_during_{ph}") for ph in phases) if p is not None]
+    return {
+        "rank": rank,
+        "grad_bytes_after_backward": last["grad_bytes_after_backward"],
+        "grad_bytes_after_step": last["grad_bytes_after_step"],
+        "grad_partition_elements": last["grad_partition_elements_after_backward"],
+        "param_bytes": last["param_bytes_after_step"],
+        "optimizer_state_bytes": last["optimizer_state_bytes_after_step"],
+        "comm_buffer_bytes_after_backward": last["comm_buffer_bytes_after_backward"],
+        "comm_buffer_bytes_after_step": last["comm_buffer_bytes_after_step"],
+        "activation_bytes_after_forward": last["activation_bytes_after_forward"],
+        "allocated_after_backward": last.get("allocated_after_backward"),
+        "allocated_after_step": last.get("allocated_after_step"),
+        "reserved_after_step": last.get("reserved_after_step"),
+        "peak_during_forward": peak("peak_during_forward"),
+        "peak_during_backward": peak("peak_during_backward"),
+        "peak_during_step": peak("peak_during_step"),
+        "peak_bytes": max(peaks) if peaks else None,
+        "reserved_peak_bytes": max(reserved) if reserved else None,
+        "alloc_retries": last.get("alloc_retries"),
+        "ooms": last.get("ooms"),
+    }
+
+
+def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels: list[int],
+                  versions: dict) -> dict:
+    """gathered[rank] is that rank's list of per-strategy results, in config.strategies order."""
+    strategies = {}
+    for i, name in enumerate(config.strategies):
+        per_rank = [gathered[r][i] for r in range(config.nproc)]
+        rank0 = per_rank[0]
+        strategies[name] = {
+            "losses": rank0["losses"],
+            "skipped_steps": sum(not rec["step_applied"] for rec in rank0["records"]),
+            "seconds": max(p["seconds"] for p in per_rank),
+            "settings": rank0["settings"],
+            "ranks": [rank_summary(r, p["records"]) for r, p in enumerate(per_rank)],
+        }
+        for r, rank in enumerate(strategies[name]["ranks"]):
+            predicted = predict_retained(name, param_numels, config.nproc, r, config.precision,
+                                         reduce_bucket_size=config.reduce_bucket_size)
+            rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
+    base = strategies[config.baseline]
+    checks = []
+    for name, s in strategies.items():
+        if name in ("zero1", "zero2") and config.nproc > 1:
+            checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
+    checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
+    checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
+    checks += [loss_matches(name, s["losses"], config.baseline, base["losses"], config.precision)
+               for name, s in strategies.items() if name != config.baseline]
+    reported = [len(g) for g in gathered]
+    checks.append({"name": "every rank finished", "passed": reported == [len(config.strategies)] * config.nproc,
+                   "measured": sum(n == len(config.strategies) for n in reported), "expected": config.nproc,
+                   "tolerance": "all ranks", "detail": f"{config.nproc} of {config.nproc} ranks returned results "
+                   f"for {len(config.strategies)} strategies"})
+    notes = [config.precision_note] if config.precision_note else []
+    notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
+    notes += bucket_notes(config, strategies, sum(param_numels))
+    skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
+    if skipped:
+        notes.append("fp16 dynamic loss scaling skipped steps that overflowed (strategy: steps): "
+                     + ", ".join(f"{n}: {k}" for n, k in skipped.items()))
+    return {
+        "verdict": "PASS" if all(c["passed"] for c in checks) else "FAIL",
+        "world_size": config.nproc, "device": config.device, "precision": config.precision,
+        "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),
+        "notes": notes, "checks": checks, "strategies": strategies, "versions": versions,
+    }
+
+
+
+
+def recommended_bucket(psi: int, world_size: int) -> int:
+    """A reduce bucket no larger than one rank's share of the gradients, rounded down to one
+    significant digit: large enough to batch the reductions, small enough not to dominate."""
+    share = max(1, psi // world_size)
+    scale = 10 ** (len(str(share)) - 1)
+    return share // scale * scale
+
+
+def bucket_notes(config: VerifyConfig, strategies: dict, psi: int) -> list[str]:
+    """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
+    every backward), measured against the baseline's peak where the allocator can tell."""
+    element = ELEMENT_BYTES[config.precision]
+    bucket, grads = config.reduce_bucket_size * element, psi * element
+    if bucket <= grads:
+        return []
+    notes = []
+    base = strategies[config.baseline]["ranks"][0]["peak_during_backward"]
+    for name in ("zero1", "zero2"):
+        if name not in strategies:
+            continue
+        peak = strategies[name]["ranks"][0]["peak_during_backward"]
+        measured = ("" if peak is None or base is None else
+                    f" Measured on rank 0: peak during backward {peak / MiB:.1f} MiB under {name} against "
+                    f"{base / MiB:.1f} MiB under {config.baseline}"
+                    + (", so sharding costs memory here." if peak > base else "."))
+        notes.append(
+            f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {bucket / MiB:.1f} MiB "
+            f"buffer allocated on every backward, while all of this model's gradients take {grads / MiB:.1f} MiB."
+            f"{measured} Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}: at most one "
+            "rank's share of the gradients.")
+    return notes

@@ -1,0 +1,54 @@
+"""`zerolens estimate`: the ZeRO paper's Figure 1, presets, user models, JSON, errors."""
+import json
+
+from conftest import zerolens
+from zerolens.cli import main
+from zerolens.model import PRESETS, build_model
+from zerolens.theory import predict_retained
+
+
+def run_json(capsys, *args):
+    assert main(["estimate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_reproduces_figure_1_of_the_zero_paper(capsys):
+    # Psi = 7.5B on 64 GPUs: 120 GB baseline, 31.4 (P_os), 16.6 (P_os+g), 1.9 (P_os+g+p).
+    result = run_json(capsys, "--params", "7.5e9", "--nproc", "64")
+    gb = {name: round(e["paper_model_states_bytes"] / 1e9, 1) for name, e in result["strategies"].items()}
+    assert [gb["zero0"], gb["zero1"], gb["zero2"], gb["zero3"]] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_deepspeed_estimator_counts_the_fp32_gradient_copy(capsys):
+    result = run_json(capsys, "--params", "1e9", "--nproc", "4", "--strategies", "zero2")
+    assert result["strategies"]["zero2"]["deepspeed_estimator_bytes"] == 2e9 + 18e9 / 4
+
+
+def test_preset_prediction_is_the_layout_per_rank(capsys):
+    result = run_json(capsys, "--preset", "case-study", "--nproc", "3", "--precision", "bf16")
+    numels = [p.numel() for p in build_model(PRESETS["case-study"], 0).parameters()]
+    assert result["params"] == sum(numels) == 525_834
+    ranks = result["strategies"]["zero2"]["ranks"]
+    assert len(ranks) == 3
+    for r in ranks:
+        want = predict_retained("zero2", numels, 3, r["rank"], "bf16")
+        assert r["grad_bytes_after_backward"] == want["grad_bytes_after_backward"]
+    assert ranks[0]["transient_reduce_bucket_bytes"] == 2 * 50_000_000
+
+
+def test_user_model_is_built_on_the_meta_device(capsys):
+    # 3 x (Linear(4096, 4096)) = 50M parameters would take 200 MB if it were materialised.
+    result = run_json(capsys, "--model", "zerolens_test_models:three_big_layers", "--nproc", "2")
+    assert result["params"] == 3 * (4096 * 4096 + 4096)
+
+
+def test_table_output_labels_units():
+    result = zerolens("estimate", "--nproc", "2", timeout=60)
+    assert result.returncode == 0
+    assert "MiB" in result.stdout and "zero2" in result.stdout
+
+
+def test_unknown_model_path_is_a_user_error():
+    result = zerolens("estimate", "--model", "no_such_module:factory", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("zerolens: cannot load no_such_module:factory")
