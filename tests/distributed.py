@@ -28,8 +28,9 @@ def _entry(fn, rank, world_size, port, folder, args):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        dist.destroy_process_group()
         Path(folder, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+        dist.destroy_process_group()
+        Path(folder, f"{rank}.done").write_text("")
     except BaseException:
         Path(folder, f"{rank}.err").write_text(traceback.format_exc())
         raise
@@ -55,10 +56,14 @@ def spawn(fn, *args, world_size: int = 2, timeout: float = 240) -> list:
                 if p.is_alive():
                     p.kill()
                 p.join()
+        finished = [Path(folder, f"{r}.pkl").exists() for r in range(world_size)]
+        torn_down = [Path(folder, f"{r}.done").exists() for r in range(world_size)]
         errors = [Path(folder, f"{r}.err") for r in range(world_size)]
         failed = [f"rank {r}:\n{e.read_text()}" for r, e in enumerate(errors) if e.exists()]
         if failed or any(p.exitcode != 0 for p in procs):
-            pytest.fail(f"{fn.__name__} failed:\n" + "\n".join(failed or [f"exit codes {[p.exitcode for p in procs]}"]))
+            pytest.fail(f"{fn.__name__} failed:\n" + "\n".join(failed or [
+                f"exit codes {[p.exitcode for p in procs]}, results written {finished}, "
+                f"process group destroyed {torn_down}"]))
         return [pickle.loads(Path(folder, f"{r}.pkl").read_bytes()) for r in range(world_size)]
 
 

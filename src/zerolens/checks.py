@@ -91,3 +91,28 @@ def prediction_check(name: str, rank: dict) -> dict:
               if not wrong else "differs: " + ", ".join(f"{k} measured {m} predicted {p}" for k, (m, p) in wrong.items()))
     return check(f"retained memory as predicted ({name}, rank {rank['rank']})", not wrong,
                  measured=measured, expected=predicted, tolerance="exact (0 bytes)", detail=detail)
+
+
+# The census and the allocator are independent; between steps they should agree to this fraction.
+ALLOCATOR_TOLERANCE = 0.01
+
+
+def census_after_step(rank: dict) -> int:
+    return (rank["param_bytes"] + rank["grad_bytes_after_step"] + rank["optimizer_state_bytes"]
+            + rank["comm_buffer_bytes_after_step"])
+
+
+def allocator_check(name: str, rank: dict) -> dict:
+    """CUDA: what the allocator holds between steps is what the census counted, plus the cuBLAS
+    workspaces, within 1%."""
+    allocated = rank["allocated_after_step"] - (rank["allocated_at_start"] or 0)
+    explained = census_after_step(rank) + (rank["cublas_workspace_bytes"] or 0)
+    gap = allocated - explained
+    return check(f"allocator agrees with the census ({name}, rank {rank['rank']})",
+                 abs(gap) <= ALLOCATOR_TOLERANCE * allocated,
+                 measured={"allocated_bytes": allocated, "unexplained_bytes": gap},
+                 expected={"census_plus_cublas_workspace_bytes": explained},
+                 tolerance=f"{ALLOCATOR_TOLERANCE:.0%} of the allocated bytes",
+                 detail=f"allocator {allocated / 2**20:.2f} MiB after the step (less {((rank['allocated_at_start'] or 0) / 2**20):.2f} "
+                        f"MiB left by earlier strategies), census + cuBLAS workspaces {explained / 2**20:.2f} MiB, "
+                        f"unexplained {gap / 2**20:+.2f} MiB")

@@ -20,6 +20,12 @@ class MemoryProbe:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
+    def allocated(self) -> int | None:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
     def phase_start(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
@@ -37,6 +43,17 @@ class MemoryProbe:
                 f"reserved_after_{phase}": stats["reserved_bytes.all.current"],
                 f"reserved_peak_during_{phase}": stats["reserved_bytes.all.peak"],
                 "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"]}
+
+    def cublas_workspace_bytes(self) -> int | None:
+        """cuBLAS workspaces live in the caching allocator, outside any tensor. Measured as what the
+        allocator frees when torch drops them; the next matrix product allocates them again."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if not self.cuda or clear is None:
+            return None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        clear()
+        return before - torch.cuda.memory_allocated()
 
     @contextlib.contextmanager
     def saved_activations(self, strategy: Strategy, into: dict):

@@ -21,6 +21,7 @@ class ModelConfig:
     ffn_dim: int = 512
     num_classes: int = 10
     seq_len: int = 32
+    norm_first: bool = False  # nn.TransformerEncoderLayer's default (post-norm), as in the case study
 
     def __post_init__(self):
         if self.d_model % self.num_heads:
@@ -28,12 +29,13 @@ class ModelConfig:
 
 
 # Built-in models. "case-study" is the demo's; "case-study-130m" is the same architecture scaled to
-# 133.6M parameters (a 32000-token vocabulary, width 1024, 8 layers), for memory that is not
-# dominated by buffers and workspaces.
+# 133.5M parameters (a 32000-token vocabulary, width 1024, 8 layers), for memory that is not
+# dominated by buffers and workspaces. It normalises before each sublayer (pre-norm): post-norm at
+# this width and lr 1e-4 without warm-up jumped from loss 2.4 to 3.7 after one step on 2xH200.
 PRESETS = {
     "case-study": ModelConfig(),
     "case-study-130m": ModelConfig(vocab_size=32000, d_model=1024, num_layers=8, num_heads=16, ffn_dim=4096,
-                                   seq_len=128),
+                                   seq_len=128, norm_first=True),
 }
 
 
@@ -47,6 +49,7 @@ class CaseStudyModel(nn.Module):
             nhead=config.num_heads,
             dim_feedforward=config.ffn_dim,
             batch_first=True,
+            norm_first=config.norm_first,
         )
         # enable_nested_tensor only matters for padded inference; off keeps a warning away.
         self.encoder = nn.TransformerEncoder(layer, num_layers=config.num_layers, enable_nested_tensor=False)

@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .checks import census_after_step
+
 MiB = 1024 ** 2  # output is in MiB, 1024-based; bytes everywhere else
 
 
@@ -59,15 +61,16 @@ def allocator_table(summary: dict) -> str | None:
         for r in s["ranks"]:
             if r["allocated_after_step"] is None:
                 return None
-            census = (r["param_bytes"] + r["grad_bytes_after_step"] + r["optimizer_state_bytes"]
-                      + r["comm_buffer_bytes_after_step"])
-            other = r["allocated_after_step"] - census
-            rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(census), mib(other),
+            census = census_after_step(r)
+            workspace = r["cublas_workspace_bytes"] or 0
+            other = r["allocated_after_step"] - (r["allocated_at_start"] or 0) - census - workspace
+            rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(r["allocated_at_start"]), mib(census),
+                         mib(r["cublas_workspace_bytes"]), mib(other),
                          mib(r["allocated_after_backward"]), mib(r["peak_during_forward"]),
                          mib(r["peak_during_backward"]), mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"]),
                          r["alloc_retries"], r["ooms"]])
-    return markdown_table(["strategy", "rank", "allocated after step", "census after step",
-                           "other (allocator - census)", "allocated after backward", "peak in forward",
+    return markdown_table(["strategy", "rank", "allocated after step", "left by earlier strategies",
+                           "census after step", "cuBLAS workspaces", "unexplained", "allocated after backward", "peak in forward",
                            "peak in backward", "peak in step", "reserved peak", "alloc retries", "OOMs"], rows)
 
 
@@ -98,7 +101,8 @@ def allocator_section(summary: dict) -> str:
         return ""
     return f"""
 ### The CUDA allocator beside the census (MiB)
-"other" is what the allocator holds that no counted tensor explains (cuBLAS workspaces, for one).
+"unexplained" is what the allocator holds after the step that neither the census, the cuBLAS \
+workspaces nor earlier strategies' leftovers account for.
 
 {table}
 """

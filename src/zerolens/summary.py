@@ -1,7 +1,7 @@
 """From the per-rank results gathered on rank 0 to summary.json: figures, predictions, checks, notes."""
 from __future__ import annotations
 
-from .checks import loss_fell, loss_matches, prediction_check, zero_gradient_checks
+from .checks import allocator_check, loss_fell, loss_matches, prediction_check, zero_gradient_checks
 from .config import VerifyConfig
 from .report import MiB
 from .theory import ELEMENT_BYTES, RETAINED_KEYS, predict_retained
@@ -30,6 +30,7 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "activation_bytes_after_forward": last["activation_bytes_after_forward"],
         "allocated_after_backward": last.get("allocated_after_backward"),
         "allocated_after_step": last.get("allocated_after_step"),
+        "cublas_workspace_bytes": last.get("cublas_workspace_bytes"),
         "reserved_after_step": last.get("reserved_after_step"),
         "peak_during_forward": peak("peak_during_forward"),
         "peak_during_backward": peak("peak_during_backward"),
@@ -53,7 +54,8 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
             "skipped_steps": sum(not rec["step_applied"] for rec in rank0["records"]),
             "seconds": max(p["seconds"] for p in per_rank),
             "settings": rank0["settings"],
-            "ranks": [rank_summary(r, p["records"]) for r, p in enumerate(per_rank)],
+            "ranks": [rank_summary(r, p["records"]) | {"allocated_at_start": p["allocated_at_start"]}
+                      for r, p in enumerate(per_rank)],
         }
         for r, rank in enumerate(strategies[name]["ranks"]):
             predicted = predict_retained(name, param_numels, config.nproc, r, config.precision,
@@ -65,6 +67,8 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
         if name in ("zero1", "zero2") and config.nproc > 1:
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
+    if config.device == "cuda":
+        checks += [allocator_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
     checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
     checks += [loss_matches(name, s["losses"], config.baseline, base["losses"], config.precision)
                for name, s in strategies.items() if name != config.baseline]

@@ -32,6 +32,7 @@ class StrategyRun:
     records: list[dict] = field(default_factory=list)  # one per step, this rank
     losses: list[float] = field(default_factory=list)  # global-batch loss per step (mean over ranks)
     param_count: int = 0
+    allocated_at_start: int | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -42,6 +43,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     probe = MemoryProbe(device)
     run = StrategyRun(strategy.name)
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
+    run.allocated_at_start = probe.allocated()  # what earlier strategies left behind (CUDA), else None
     model = build_model(model_config, seed)
     run.param_count = sum(p.numel() for p in model.parameters())
     strategy.setup(model, device)
@@ -76,6 +78,8 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         record |= probe.phase_end("step")
         phase.name = "census after step"
         record |= probe.census(strategy, "step")
+        if step == steps - 1:  # clearing them costs a re-allocation: only once, at the end
+            record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
 
         phase.name = "loss all-reduce"
         local_loss = loss.detach().float().reshape(1)
@@ -86,8 +90,10 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         run.records.append(record)
     run.seconds = time.perf_counter() - start
     phase.step, phase.name = -1, "teardown"
+    # The last loss's graph reaches the parameters, and through DeepSpeed's hooks the whole
+    # optimizer: drop it before collecting, or this strategy's memory outlives it.
+    del loss, local_loss, model
     strategy.teardown()
-    del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -114,7 +114,8 @@ def run(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict | N
                                 signal=config.signal, micro_batch=config.micro_batch, device=device,
                                 phase=phase)
         results.append({"losses": result.losses, "records": result.records, "seconds": result.seconds,
-                        "settings": strategy.describe(), "notes": result.notes})
+                        "settings": strategy.describe(), "notes": result.notes,
+                        "allocated_at_start": result.allocated_at_start})
         if rank == 0:
             print(f"zerolens: {name} done in {result.seconds:.1f} s, loss {result.losses[0]:.4f} -> "
                   f"{result.losses[-1]:.4f}", flush=True)
