@@ -43,7 +43,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     probe = MemoryProbe(device)
     run = StrategyRun(strategy.name)
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
-    run.allocated_at_start = probe.allocated()  # what earlier strategies left behind (CUDA), else None
+    run.allocated_at_start = probe.settled_allocated()  # what earlier strategies left behind (CUDA), else None
     model = build_model(model_config, seed)
     run.param_count = sum(p.numel() for p in model.parameters())
     strategy.setup(model, device)
