@@ -34,3 +34,35 @@ def test_rank_with_no_parameters_holds_a_zero_buffer():
     assert layout[0].held_grad_elements == 2
     assert [r.held_grad_elements for r in layout[1:]] == [2, 2, 2]
     assert [r.overlapping_params for r in layout[1:]] == [(), (), ()]
+
+
+from zerolens.theory import deepspeed_estimator, paper_model_states, predict_retained  # noqa: E402
+
+
+def test_predict_ddp_and_zero0_by_hand():
+    sizes = [10, 3]  # 13 parameters in 2 tensors
+    ddp = predict_retained("ddp", sizes, 2, 0, "bf16")
+    assert ddp["param_bytes"] == 52 and ddp["grad_bytes_after_backward"] == 52
+    assert ddp["optimizer_state_bytes"] == 8 * 13 + 4 * 2  # two fp32 moments + a step counter per tensor
+    assert ddp["comm_buffer_bytes_after_backward"] == 52  # the buckets mirror the fp32 gradients
+    z0 = predict_retained("zero0", sizes, 2, 0, "bf16")
+    assert z0["param_bytes"] == 26 and z0["optimizer_state_bytes"] == 12 * 13 + 8  # + fp32 master copy
+    assert predict_retained("zero0", sizes, 2, 0, "fp32")["optimizer_state_bytes"] == 8 * 13 + 8  # no copy
+
+
+def test_predict_zero3_by_hand():
+    # N=3: shards ceil(10/3)=4 and ceil(3/3)=1 -> 5 elements. Both tensors are below the persistence
+    # threshold, so they stay gathered in buffers of 3 padded shards: 12 + 3 elements.
+    z3 = predict_retained("zero3", [10, 3], 3, 1, "bf16", reduce_bucket_size=100)
+    assert z3["grad_partition_elements"] == 5
+    assert z3["param_bytes"] == 2 * (5 + 15)
+    assert z3["grad_bytes_after_backward"] == z3["grad_bytes_after_step"] == 10
+    assert z3["optimizer_state_bytes"] == 12 * 5 + 4
+    assert z3["comm_buffer_bytes_after_backward"] == 200  # the persistent reduce bucket
+
+
+def test_paper_formulas_and_estimator():
+    psi = 1000
+    assert [paper_model_states(psi, 4, s) for s in range(4)] == [16000, 4000 + 3000, 2000 + 3500, 4000]
+    assert deepspeed_estimator(psi, 4, 2) == 2000 + 4500
+    assert deepspeed_estimator(psi, 4, 1) is None

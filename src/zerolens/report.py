@@ -47,10 +47,11 @@ def memory_table(summary: dict) -> str:
                 r["grad_partition_elements"], ratio(r["grad_partition_elements"], base["grad_partition_elements"]),
                 with_prediction(r, "grad_bytes_after_step"), with_prediction(r, "optimizer_state_bytes"),
                 with_prediction(r, "comm_buffer_bytes_after_backward"), mib(r["activation_bytes_after_forward"]),
+                mib(r["peak_bytes"]),
             ])
     header = ["strategy", "rank", "params", "grads after backward", "vs baseline", "grad partition (elements)",
               "vs baseline", "grads after step", "optimizer states", "comm buffers after backward",
-              "activations saved in forward"]
+              "activations saved in forward", "peak"]
     return markdown_table(header, rows)
 
 
@@ -120,7 +121,8 @@ baseline {summary['baseline']}. Command: `{command}`
 ## Memory per rank (MiB = 1024^2 bytes)
 Counted from the tensors each rank holds, each storage once; a prediction from the parameter sizes \
 is shown only where it differs from the measurement. "grad partition" is the number of gradient \
-elements the rank owns.
+elements the rank owns. "peak": the CUDA allocator's, over all steps; on CPU, a tensor-allocation \
+tracker's over the last step.
 
 {memory_table(summary)}
 {allocator_section(summary)}

@@ -16,7 +16,9 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         return max(values) if values else None
 
     phases = ("forward", "backward", "step")
-    peaks = [p for p in (peak(f"peak_during_{ph}") for ph in phases) if p is not None]
+    # CUDA: the allocator's peak per phase, every step; CPU: the tracker's, over the last step.
+    peaks = [p for p in (*(peak(f"peak_during_{ph}") for ph in phases), peak("peak_during_train_step"))
+             if p is not None]
     reserved = [p for p in (peak(f"reserved_peak_during_{ph}") for ph in phases) if p is not None]
     return {
         "rank": rank,
@@ -121,13 +123,13 @@ def bucket_notes(config: VerifyConfig, strategies: dict, psi: int) -> list[str]:
     if bucket <= grads:
         return []
     notes = []
-    base = strategies[config.baseline]["ranks"][0]["peak_during_backward"]
+    base = strategies[config.baseline]["ranks"][0]["peak_bytes"]
     for name in ("zero1", "zero2"):
         if name not in strategies:
             continue
-        peak = strategies[name]["ranks"][0]["peak_during_backward"]
+        peak = strategies[name]["ranks"][0]["peak_bytes"]
         measured = ("" if peak is None or base is None else
-                    f" Measured on rank 0: peak during backward {peak / MiB:.1f} MiB under {name} against "
+                    f" Measured on rank 0: peak {peak / MiB:.1f} MiB under {name} against "
                     f"{base / MiB:.1f} MiB under {config.baseline}"
                     + (", so sharding costs memory here." if peak > base else "."))
         notes.append(

@@ -1,6 +1,7 @@
 """The training loop: the same data and seed for every strategy, measured at phase boundaries."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass, field
@@ -59,27 +60,30 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         tokens, labels = rank_slice(tokens, labels, rank, world_size)
         record = {"strategy": strategy.name, "rank": rank, "step": step}
 
-        phase.name = "forward"
-        probe.phase_start()
-        with probe.saved_activations(strategy, into=record):
-            loss = strategy.forward_loss(tokens, labels)
-        record |= probe.phase_end("forward")
+        last = step == steps - 1
+        # On CPU the last step runs under an allocation tracker for its peak (slow: once).
+        with probe.cpu_step_peak(strategy, into=record) if last else contextlib.nullcontext():
+            phase.name = "forward"
+            probe.phase_start()
+            with probe.saved_activations(strategy, into=record):
+                loss = strategy.forward_loss(tokens, labels)
+            record |= probe.phase_end("forward")
 
-        phase.name = "backward"
-        probe.phase_start()
-        strategy.backward(loss)
-        record |= probe.phase_end("backward")
-        phase.name = "census after backward"
-        record |= probe.census(strategy, "backward")
+            phase.name = "backward"
+            probe.phase_start()
+            strategy.backward(loss)
+            record |= probe.phase_end("backward")
+            phase.name = "census after backward"
+            record |= probe.census(strategy, "backward")
 
-        phase.name = "step"
-        probe.phase_start()
-        record["step_applied"] = strategy.step()
-        record |= probe.phase_end("step")
-        phase.name = "census after step"
-        record |= probe.census(strategy, "step")
-        if step == steps - 1:  # clearing them costs a re-allocation: only once, at the end
-            record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
+            phase.name = "step"
+            probe.phase_start()
+            record["step_applied"] = strategy.step()
+            record |= probe.phase_end("step")
+            phase.name = "census after step"
+            record |= probe.census(strategy, "step")
+            if last:  # clearing them costs a re-allocation: only once, at the end
+                record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
 
         phase.name = "loss all-reduce"
         local_loss = loss.detach().float().reshape(1)
