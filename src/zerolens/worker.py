@@ -93,9 +93,8 @@ def versions() -> dict:
     return out
 
 
-def run(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict | None:
+def run(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase) -> dict | None:
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     settings = TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
                              world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
                              verbose=config.verbose)
@@ -156,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                                           *(argv if argv is not None else sys.argv[1:])])
     phase = Phase(name="init")
     try:
-        init_distributed(config, local_rank)
+        device = init_distributed(config, local_rank)
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
-        summary = run(config, out[0], command, phase)
+        summary = run(config, device, out[0], command, phase)
         phase.name = "shutdown"
         dist.barrier()
         dist.destroy_process_group()
