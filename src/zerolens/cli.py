@@ -19,7 +19,7 @@ from .worker import default_run_folder
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage dump is long; one line, exit 2
-        self.exit(2, f"zerolens: {message} (see zerolens {self.prog.split()[-1]} --help)\n")
+        self.exit(2, f"zerolens: {message} (see {self.prog} --help)\n")
 
 
 def verify_parser(subparsers) -> None:
