@@ -116,3 +116,16 @@ def test_summary_carries_predictions_and_the_bucket_advice(verify_run):
     base_peak = summary["strategies"]["zero0"]["ranks"][0]["peak_bytes"]
     assert zero2_peak - base_peak > 0.5 * 50_000_000 * 2  # the bucket: 5e7 bf16 elements
     assert "so sharding costs memory here" in advice[0]
+
+
+def test_in_fp32_ddp_and_deepspeed_follow_the_same_trajectory(tmp_path):
+    # Same data, weights, dropout stream, AdamW and gradient clipping (DeepSpeed's default 1.0):
+    # in fp32 only the order of floating-point additions differs.
+    out = tmp_path / "fp32"
+    result = zerolens("verify", "--precision", "fp32", "--strategies", "ddp,zero0,zero2", "--steps", "40",
+                      "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    base = summary["strategies"]["zero0"]["losses"]
+    for name in ("ddp", "zero2"):
+        assert max(abs(a - b) for a, b in zip(summary["strategies"][name]["losses"], base)) < 1e-4

@@ -29,6 +29,10 @@ class TrainSettings:
     micro_batch: int = 8
     world_size: int = 2
     reduce_bucket_size: int = 50_000_000
+    # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (0.19:
+    # GRADIENT_CLIPPING_DEFAULT = 1.0), and the case study's config inherits that. We write it
+    # into the DeepSpeed config and clip DDP the same way, or DDP's losses part from the rest.
+    gradient_clipping: float = 1.0
     verbose: bool = False
 
 
@@ -107,6 +111,9 @@ class TorchDDP(Strategy):
 
     def step(self):
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        if self.settings.gradient_clipping > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, as DeepSpeed does
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.settings.gradient_clipping)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -127,6 +134,7 @@ class TorchDDP(Strategy):
     def describe(self):
         return {"backend": "torch.nn.parallel.DistributedDataParallel", "optimizer": "torch.optim.AdamW",
                 "lr": self.settings.lr, "autocast": self.settings.precision,
+                "gradient_clipping": self.settings.gradient_clipping,
                 "gradient_as_bucket_view": False}
 
 
@@ -147,6 +155,7 @@ class DeepSpeedZero(Strategy):
             # torch_adam: the same AdamW update without FusedAdam's JIT build, which takes ~40 s
             # and crashes on TORCH_CUDA_ARCH_LIST values such as "9.0a" (DeepSpeed 0.19.8).
             "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "torch_adam": True}},
+            "gradient_clipping": s.gradient_clipping,
             "steps_per_print": 1 << 30,
         }
         if s.precision != "fp32":
