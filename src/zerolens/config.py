@@ -73,10 +73,6 @@ class VerifyConfig:
             raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): "
                             "use --precision bf16 or fp32, or --device cuda")
 
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.nproc
-
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

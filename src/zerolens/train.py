@@ -32,7 +32,6 @@ class StrategyRun:
     name: str
     records: list[dict] = field(default_factory=list)  # one per step, this rank
     losses: list[float] = field(default_factory=list)  # global-batch loss per step (mean over ranks)
-    param_count: int = 0
     allocated_at_start: int | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -46,7 +45,6 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
     run.allocated_at_start = probe.settled_allocated()  # what earlier strategies left behind (CUDA), else None
     model = build_model(model_config, seed)
-    run.param_count = sum(p.numel() for p in model.parameters())
     strategy.setup(model, device)
     run.notes = strategy.notes()
     # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
