@@ -102,12 +102,19 @@ def census_after_step(rank: dict) -> int:
             + rank["comm_buffer_bytes_after_step"])
 
 
+def unexplained_bytes(rank: dict) -> int:
+    """CUDA: allocated after the step, less what earlier strategies left, the census and the
+    cuBLAS workspaces."""
+    return (rank["allocated_after_step"] - (rank["allocated_at_start"] or 0) - census_after_step(rank)
+            - (rank["cublas_workspace_bytes"] or 0))
+
+
 def allocator_check(name: str, rank: dict) -> dict:
     """CUDA: what the allocator holds between steps is what the census counted, plus the cuBLAS
     workspaces, within 1%."""
     allocated = rank["allocated_after_step"] - (rank["allocated_at_start"] or 0)
-    explained = census_after_step(rank) + (rank["cublas_workspace_bytes"] or 0)
-    gap = allocated - explained
+    gap = unexplained_bytes(rank)
+    explained = allocated - gap
     return check(f"allocator agrees with the census ({name}, rank {rank['rank']})",
                  abs(gap) <= ALLOCATOR_TOLERANCE * allocated,
                  measured={"allocated_bytes": allocated, "unexplained_bytes": gap},

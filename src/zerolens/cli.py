@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import UserError, add_verify_arguments, config_from_args
+from .config import UserError, add_verify_arguments, config_from_args, parse_strategies
 from .estimate import estimate, param_numels_from_factory, preset_numels, render_estimate
 from .model import PRESETS
 from .strategies import STRATEGIES
@@ -74,10 +74,7 @@ def estimate_parser(subparsers) -> None:
 
 
 def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown or not strategies:
-        raise UserError(f"unknown strategy {unknown[0] if unknown else ''!r}; choose from {', '.join(STRATEGIES)}")
+    strategies = parse_strategies(args.strategies)
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     if args.params is not None and args.params <= 0:

@@ -77,6 +77,17 @@ class VerifyConfig:
         return dataclasses.asdict(self)
 
 
+def parse_strategies(text: str) -> tuple[str, ...]:
+    """`--strategies` as a tuple of known names."""
+    strategies = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not strategies:
+        raise UserError("--strategies is empty")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    return strategies
+
+
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default="zero0,zero2",
                         help=f"comma-separated, from {','.join(STRATEGIES)} (default: zero0,zero2)")
@@ -120,9 +131,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     if device == "cuda" and gpus < nproc and world_size is None:
         fix = f"use --nproc {gpus} or --device cpu" if gpus else "use --device cpu"
         raise UserError(f"--device cuda with {nproc} processes needs {nproc} GPUs, but {gpus} are visible; {fix}")
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    if not strategies:
-        raise UserError("--strategies is empty")
+    strategies = parse_strategies(args.strategies)
     baseline = args.baseline or ("zero0" if "zero0" in strategies else strategies[0])
     if any(s.startswith("zero") for s in strategies) and importlib.util.find_spec("deepspeed") is None:
         raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp)")

@@ -9,8 +9,6 @@ Two independent views:
 from __future__ import annotations
 
 import contextlib
-import gc
-import time
 
 import torch
 
@@ -22,23 +20,12 @@ class MemoryProbe:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def settled_allocated(self, timeout_s: float = 5.0) -> int | None:
-        """Allocated bytes once memory freed by earlier work has come back. NCCL keeps the tensors
-        of finished collectives until its watchdog thread releases them, asynchronously: seen on
-        2xH200 as DDP's 0.5 GiB of buckets still allocated after DDP was gone. Poll until the
-        figure holds still (or the timeout)."""
+    def allocated(self) -> int | None:
+        """Bytes the CUDA allocator holds now (None on CPU)."""
         if not self.cuda:
             return None
-        deadline, last, still = time.monotonic() + timeout_s, None, 0
-        while time.monotonic() < deadline and still < 3:
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            now = torch.cuda.memory_allocated()
-            still = still + 1 if now == last else 0
-            last = now
-            time.sleep(0.1)
-        return last
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
 
     def phase_start(self) -> None:
         if self.cuda:

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .checks import census_after_step
+from .checks import census_after_step, unexplained_bytes
 
 MiB = 1024 ** 2  # output is in MiB, 1024-based; bytes everywhere else
 
@@ -62,11 +62,8 @@ def allocator_table(summary: dict) -> str | None:
         for r in s["ranks"]:
             if r["allocated_after_step"] is None:
                 return None
-            census = census_after_step(r)
-            workspace = r["cublas_workspace_bytes"] or 0
-            other = r["allocated_after_step"] - (r["allocated_at_start"] or 0) - census - workspace
-            rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(r["allocated_at_start"]), mib(census),
-                         mib(r["cublas_workspace_bytes"]), mib(other),
+            rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(r["allocated_at_start"]),
+                         mib(census_after_step(r)), mib(r["cublas_workspace_bytes"]), mib(unexplained_bytes(r)),
                          mib(r["allocated_after_backward"]), mib(r["peak_during_forward"]),
                          mib(r["peak_during_backward"]), mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"]),
                          r["alloc_retries"], r["ooms"]])

@@ -219,15 +219,14 @@ class DeepSpeedZero(Strategy):
         def fp32_grads(tensors):
             return [t.grad for t in tensors if t.grad is not None]
 
-        buckets = required(optimizer, "ipg_buckets").values() if hasattr(optimizer, "ipg_buckets") else []
-
         if kind == "DeepSpeedZeroOptimizer":  # stages 1 and 2
             masters = required(optimizer, "single_partition_of_fp32_groups")
             partitions = [g for g in required(optimizer, "averaged_gradients").values() if g is not None]
             partition_grads = [t for group in partitions for t in group]
             return Holdings(param=params, grad=model_grads + partition_grads + fp32_grads(masters),
                             optimizer_state=masters + basic_state,
-                            comm_buffer=[t for b in buckets for t in required(b, "buffer")],
+                            comm_buffer=[t for b in required(optimizer, "ipg_buckets").values()
+                                         for t in required(b, "buffer")],
                             grad_partition_elements=sum(t.numel() for t in partition_grads))
         if kind == "DeepSpeedZeroOptimizer_Stage3":
             # Partitioned parameters keep a 0-element p.data and their shard in p.ds_tensor.
@@ -236,7 +235,7 @@ class DeepSpeedZero(Strategy):
             grad_buffer = required(optimizer, "grad_partitions_flat_buffer")  # persistent, 1/N of the grads
             return Holdings(param=params + shards, grad=model_grads + [grad_buffer] + fp32_grads(masters),
                             optimizer_state=masters + basic_state,
-                            comm_buffer=[required(b, "buffer") for b in buckets],
+                            comm_buffer=[required(b, "buffer") for b in required(optimizer, "ipg_buckets").values()],
                             grad_partition_elements=grad_buffer.numel())
         if kind == "FP16_UnfusedOptimizer":  # stage 0, fp16/bf16 with a torch optimizer
             masters = [t for group in required(optimizer, "fp32_groups") for t in group]

@@ -43,7 +43,9 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     probe = MemoryProbe(device)
     run = StrategyRun(strategy.name)
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
-    run.allocated_at_start = probe.settled_allocated()  # what earlier strategies left behind (CUDA), else None
+    # What earlier strategies left allocated (CUDA; the previous one collected and emptied the cache
+    # at its end). On 2xH200 DDP's buckets stayed allocated here and were freed during the next run.
+    run.allocated_at_start = probe.allocated()
     model = build_model(model_config, seed)
     strategy.setup(model, device)
     run.notes = strategy.notes()
