@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The runs behind docs/results/2xh200/: run on a machine with 2 GPUs, from the repository root,
-# after `source .whl/install.sh` (see ../shared/gpu/wheels.sh). Writes summaries, reports and one
-# log into ${OUT:-gpu-results}/ (flat, at most 8 files: what the device tool brings back).
+# after `source .whl/install.sh` (see ../shared/gpu/wheels.sh). Writes one log and runs.tgz (every
+# run folder: config, per-rank metrics, summary, report) into ${OUT:-gpu-results}/: two files,
+# within what the device tool brings back.
 # Arguments, if any, are "name|verify flags" runs to make instead of the default set; the
 # default set also runs the case study's script and the gpu-marked tests.
 set -uo pipefail
@@ -26,8 +27,7 @@ fi
     # shellcheck disable=SC2086
     zerolens verify $flags --out "$runs/$name"
     echo "exit code $? after $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s"
-    cp "$runs/$name/summary.json" "$out/${name}_summary.json"
-    [ "$name" = bucket2e5 ] || cp "$runs/$name/report.md" "$out/${name}_report.md"  # its report is in this log
+    tar czf "$out/runs.tgz" -C "$runs" .  # after every run: a run cut off by a time limit keeps the rest
   done
   if [ "${extras:-0}" = 1 ]; then
     for mode in stage2 baseline; do

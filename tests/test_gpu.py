@@ -10,10 +10,14 @@ pytestmark = pytest.mark.gpu
 
 def test_verify_on_two_gpus(tmp_path):
     out = tmp_path / "run"
-    result = zerolens("verify", "--out", str(out), timeout=600)
+    result = zerolens("verify", "--nproc", "2", "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"] == "cuda" and summary["precision"] == "fp16"
     for name in ("zero0", "zero2"):
         for rank in summary["strategies"][name]["ranks"]:
             assert rank["peak_bytes"] > 0 and rank["allocated_after_backward"] > 0
+    # The peak anatomy: each phase's peak replayed from the allocator's events and explained.
+    peak_checks = [c for c in summary["checks"] if c["name"].startswith("peak ")]
+    assert len(peak_checks) == 2 * 2 * 3 * 2  # 2 strategies x 2 ranks x 3 phases x 2 checks
+    assert all(c["passed"] for c in peak_checks), [c["detail"] for c in peak_checks if not c["passed"]]

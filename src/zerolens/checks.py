@@ -123,3 +123,30 @@ def allocator_check(name: str, rank: dict) -> dict:
                  detail=f"allocator {allocated / 2**20:.2f} MiB after the step (less {((rank['allocated_at_start'] or 0) / 2**20):.2f} "
                         f"MiB left by earlier strategies), census + cuBLAS workspaces {explained / 2**20:.2f} MiB, "
                         f"unexplained {gap / 2**20:+.2f} MiB")
+
+
+# At each phase's peak, the bytes no component accounts for, as a fraction of the peak.
+PEAK_UNATTRIBUTED_TOLERANCE = 0.05
+
+
+def peak_checks(name: str, rank: dict) -> list[dict]:
+    """CUDA, last step: the replay of the allocator's events reaches the allocator's own peak, and
+    the components (peaks.py) account for all but 5% of it."""
+    out = []
+    for phase, anatomy in (rank.get("peak_anatomy") or {}).items():
+        stat = rank["last_step_peaks"][phase]
+        replayed = anatomy["replayed_peak"]
+        out.append(check(f"peak replayed from the allocator's events ({name}, rank {rank['rank']}, {phase})",
+                         replayed == stat, measured=replayed, expected=stat, tolerance="exact (0 bytes)",
+                         detail=f"replayed {replayed / 2**20:.2f} MiB, allocator's peak {stat / 2**20:.2f} MiB"))
+        parts = anatomy["components"]
+        unattributed = parts["unattributed"]
+        named = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if v and k != "unattributed")
+        out.append(check(f"peak explained by components ({name}, rank {rank['rank']}, {phase})",
+                         unattributed <= PEAK_UNATTRIBUTED_TOLERANCE * replayed,
+                         measured={"unattributed_bytes": unattributed, "components": parts},
+                         expected={"peak_bytes": replayed},
+                         tolerance=f"unattributed <= {PEAK_UNATTRIBUTED_TOLERANCE:.0%} of the peak",
+                         detail=f"peak {replayed / 2**20:.1f} MiB = {named} MiB, unattributed "
+                                f"{unattributed / 2**20:.1f} MiB"))
+    return out

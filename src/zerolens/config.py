@@ -43,6 +43,7 @@ class VerifyConfig:
     micro_batch: int = 8
     lr: float = 1e-4
     reduce_bucket_size: int = 50_000_000
+    gradient_clipping: float = 1.0  # DeepSpeed's default; DDP is clipped the same way
     signal: float = 0.8  # fraction of class tokens in each sample (data.py)
     preset: str = "case-study"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -63,6 +64,8 @@ class VerifyConfig:
             raise UserError(f"--steps must be at least 4 to tell whether the loss fell, got {self.steps}")
         if not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.gradient_clipping < 0:
+            raise UserError(f"--gradient-clipping must be 0 (off) or positive, got {self.gradient_clipping}")
         if self.micro_batch < 1:
             raise UserError(f"--micro-batch must be at least 1, got {self.micro_batch}")
         if self.device not in ("cpu", "cuda"):
@@ -111,6 +114,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: micro-batch x nproc)")
     parser.add_argument("--reduce-bucket-size", type=float, default=5e7,
                         help="DeepSpeed reduce_bucket_size in elements (default 5e7, the case study's)")
+    parser.add_argument("--gradient-clipping", type=float, default=1.0,
+                        help="global gradient-norm clipping for every strategy; 0 turns it off "
+                             "(default 1.0, DeepSpeed's own default)")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
 
@@ -148,5 +154,6 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     return VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
                         precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
+                        gradient_clipping=args.gradient_clipping,
                         preset=args.preset, model=PRESETS[args.preset], out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR[args.preset])

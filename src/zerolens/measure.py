@@ -4,7 +4,10 @@ Two independent views:
 - the tensor census (census.py): the storages behind the tensors each backend holds, by component,
   plus the activations autograd saved for backward, counted through saved-tensor hooks;
 - on CUDA, the caching allocator: allocated, active and reserved bytes, their peaks per phase,
-  allocation retries and OOMs (torch.cuda.memory_stats).
+  allocation retries and OOMs (torch.cuda.memory_stats); on the last step, every block alive at
+  each phase's peak, by component (peaks.py);
+- on CPU, per-phase peaks of the last step from torch's MemTracker, a dispatch-level tracker of
+  tensor allocations (not the process RSS).
 """
 from __future__ import annotations
 
@@ -12,13 +15,27 @@ import contextlib
 
 import torch
 
+from . import peaks
 from .census import MeasurementError, count, storage_bytes, storage_keys
 from .strategies import Strategy
 
 
 class MemoryProbe:
+    """Readings per phase. On the last step (`detailed=True`) it also records, on CUDA, the
+    allocator's events of each phase (peaks.py names every byte at the peak) and, on CPU, follows
+    tensor allocations with torch's MemTracker for per-phase peaks (CPU has no allocator to ask)."""
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device_index = device.index if self.cuda else None
+        if self.cuda:
+            # Keep the allocating Python stack of every live block (about 2 us per allocation):
+            # it names what an earlier strategy left allocated, and feeds the peak anatomy.
+            torch.cuda.memory._record_memory_history("state", context="alloc", stacks="python")
+        self.tracker = None
+        self.held: dict[int, str] = {}  # storage address -> component, for the peak anatomy
+        self.activation_addresses: set[int] = set()
+        self.traces: dict[str, dict] = {}
 
     def allocated(self) -> int | None:
         """Bytes the CUDA allocator holds now (None on CPU)."""
@@ -27,23 +44,73 @@ class MemoryProbe:
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
 
-    def phase_start(self) -> None:
+    def live_block_sources(self) -> dict[str, int]:
+        """CUDA: bytes of the blocks allocated now, by the code that allocated them."""
+        snapshot = torch.cuda.memory._snapshot()
+        segments = [s for s in snapshot["segments"] if s["device"] == self.device_index]
+        return peaks.live_block_sources(segments)
+
+    @contextlib.contextmanager
+    def detailed_step(self, strategy: Strategy):
+        """Around the last step: what the detailed per-phase readings need."""
+        self.traces = {}
+        self.activation_addresses = set()
+        if self.cuda:
+            self.held = peaks.address_map(strategy.holdings())
+            yield
+            return
+        from torch.distributed._tools.mem_tracker import MemTracker
+        self.tracker = MemTracker()
+        # Tensors that exist before the step: tracked so that their frees during it are seen.
+        held = strategy.holdings()
+        self.tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")
+                                      for t in getattr(held, c) if t is not None])
+        try:
+            with self.tracker:
+                yield
+        finally:
+            self.tracker = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str, into: dict, detailed: bool = False):
+        """Peak readings for one phase (forward, backward, step) into `into`."""
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if detailed:
+                self.traces[name] = {}
+                with peaks.record_phase(self.device_index, self.traces[name]):
+                    yield
+            else:
+                yield
+            torch.cuda.synchronize()
+            stats = torch.cuda.memory_stats()
+            into |= {f"allocated_after_{name}": stats["allocated_bytes.all.current"],
+                     f"peak_during_{name}": stats["allocated_bytes.all.peak"],
+                     f"active_peak_during_{name}": stats["active_bytes.all.peak"],
+                     f"reserved_after_{name}": stats["reserved_bytes.all.current"],
+                     f"reserved_peak_during_{name}": stats["reserved_bytes.all.peak"],
+                     "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"]}
+        elif detailed and self.tracker is not None:
+            reset_tracker_peak(self.tracker)
+            yield
+            into[f"peak_during_{name}"] = tracker_total(self.tracker, "peak")
+        else:
+            yield
 
-    def phase_end(self, phase: str) -> dict:
-        """Allocator readings for the phase that just ended; empty on CPU (no allocator to ask)."""
-        if not self.cuda:
-            return {}
-        torch.cuda.synchronize()
-        stats = torch.cuda.memory_stats()
-        return {f"allocated_after_{phase}": stats["allocated_bytes.all.current"],
-                f"peak_during_{phase}": stats["allocated_bytes.all.peak"],
-                f"active_peak_during_{phase}": stats["active_bytes.all.peak"],
-                f"reserved_after_{phase}": stats["reserved_bytes.all.current"],
-                f"reserved_peak_during_{phase}": stats["reserved_bytes.all.peak"],
-                "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"]}
+    def note_held(self, strategy: Strategy) -> None:
+        """CUDA, last step: remember which storages the strategy holds now (for the peak anatomy)."""
+        if self.cuda and self.traces:
+            for addr, component in peaks.address_map(strategy.holdings()).items():
+                self.held.setdefault(addr, component)
+
+    def peak_anatomy(self, known_preexisting_bytes: int) -> dict:
+        """CUDA, after the last step: every byte at each phase's peak, by component."""
+        out = {name: peaks.peak_anatomy(t["segments"], t["events"], name, self.held, self.activation_addresses,
+                                        known_preexisting_bytes)
+               for name, t in self.traces.items()}
+        self.traces = {}
+        return out
 
     def cublas_workspace_bytes(self) -> int | None:
         """cuBLAS workspaces live in the caching allocator, outside any tensor. Measured as what the
@@ -55,33 +122,6 @@ class MemoryProbe:
         before = torch.cuda.memory_allocated()
         clear()
         return before - torch.cuda.memory_allocated()
-
-    @contextlib.contextmanager
-    def cpu_step_peak(self, strategy: Strategy, into: dict):
-        """CPU: the peak bytes of a whole training step. torch's MemTracker (a dispatch-level tracker
-        of tensor allocations, private API in torch 2.x) follows what the step allocates and frees;
-        the peak is what the census held at the start plus the tracker's highest rise. Tensors that
-        existed before the step and are freed during it are not seen going, so this errs high. It
-        slows a step about tenfold: the training loop asks for it once, on the last step."""
-        if self.cuda:
-            yield
-            return
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        def total(tracker, kind):
-            return sum(int(d.get("Total", 0)) for d in tracker.get_tracker_snapshot(kind).values())
-
-        held = self.held_bytes(strategy)
-        tracker = MemTracker()
-        with tracker:
-            start = total(tracker, "current")
-            yield
-        into["peak_during_train_step"] = held + total(tracker, "peak") - start
-
-    def held_bytes(self, strategy: Strategy) -> int:
-        """Everything the census counts, all components together."""
-        counted = count(strategy.holdings())
-        return sum(v for k, v in counted.items() if k.endswith("_bytes"))
 
     @contextlib.contextmanager
     def saved_activations(self, strategy: Strategy, into: dict):
@@ -97,6 +137,8 @@ class MemoryProbe:
             yield
         params = storage_keys(strategy.holdings().param)
         into["activation_bytes_after_forward"] = storage_bytes(saved, seen=params)
+        if self.cuda and self.traces:
+            self.activation_addresses = {t.untyped_storage().data_ptr() for t in saved if t.is_cuda}
         saved.clear()  # autograd holds them until backward; we must not hold them longer
 
     def census(self, strategy: Strategy, moment: str) -> dict:
@@ -106,3 +148,18 @@ class MemoryProbe:
             # wrong place, which is exactly the case study's mistake.
             raise MeasurementError(f"{strategy.name}: found no gradient tensors after backward")
         return {f"{key}_after_{moment}": value for key, value in counted.items()}
+
+
+# torch's MemTracker (torch.distributed._tools, private in torch 2.x) keeps one running peak; a
+# per-phase peak needs it set back to the current total at each phase's start.
+def tracker_total(tracker, kind: str) -> int:
+    return sum(int(d.get("Total", 0)) for d in tracker.get_tracker_snapshot(kind).values())
+
+
+def reset_tracker_peak(tracker) -> None:
+    if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
+        raise MeasurementError("this torch's MemTracker keeps its peak elsewhere; zerolens cannot read per-phase "
+                               "CPU peaks (see measure.reset_tracker_peak)")
+    current = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
+    tracker._peak_mem_snap = current

@@ -106,6 +106,40 @@ workspaces nor earlier strategies' leftovers account for.
 """
 
 
+PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimizer states",
+                "comm_buffer": "comm buffers", "activation": "activations saved",
+                "deepspeed_transient": "DeepSpeed transient", "optimizer_transient": "optimizer transient",
+                "autograd_transient": "autograd transient", "forward_transient": "forward transient",
+                "workspace_and_earlier": "cuBLAS workspace + earlier", "unattributed": "unattributed"}
+
+
+def peak_section(summary: dict) -> str:
+    """CUDA only: what was allocated at each phase's peak on the last step, rank 0 of each strategy."""
+    rows, sources = [], []
+    for name, s in summary["strategies"].items():
+        r = s["ranks"][0]
+        for phase, anatomy in (r.get("peak_anatomy") or {}).items():
+            parts = anatomy["components"]
+            rows.append([name, phase, mib(anatomy["replayed_peak"]), *(mib(parts[k]) for k in PEAK_COLUMNS)])
+            sources += [f"- {name}, {phase}: " + "; ".join(f"{src} {mib(b)}" for src, b in
+                                                           anatomy["largest_transients"].items())]
+    if not rows:
+        return ""
+    table = markdown_table(["strategy", "phase", "peak", *PEAK_COLUMNS.values()], rows)
+    return f"""
+### At each peak, by component (last step, rank 0, MiB)
+Replayed from the allocator's recorded events; every block alive at the peak is named by the \
+census (address), the saved-tensor hooks (activations), or, for temporaries, by the code that \
+allocated it. "cuBLAS workspace + earlier" is memory allocated before the phase that no census \
+holds, up to the measured workspaces and earlier strategies' leftovers; beyond that it is unattributed.
+
+{table}
+
+Largest temporaries at each peak (allocating code):
+{chr(10).join(sources)}
+"""
+
+
 def render(summary: dict, command: str) -> str:
     """The same text for the terminal and report.md."""
     ws, dev = summary["world_size"], summary["device"]
@@ -118,11 +152,11 @@ baseline {summary['baseline']}. Command: `{command}`
 ## Memory per rank (MiB = 1024^2 bytes)
 Counted from the tensors each rank holds, each storage once; a prediction from the parameter sizes \
 is shown only where it differs from the measurement. "grad partition" is the number of gradient \
-elements the rank owns. "peak": the CUDA allocator's, over all steps; on CPU, a tensor-allocation \
-tracker's over the last step.
+elements the rank owns. "peak": the CUDA allocator's, over all steps; on CPU, the highest of the per-phase peaks \
+of a tensor-allocation tracker (torch's MemTracker) on the last step.
 
 {memory_table(summary)}
-{allocator_section(summary)}
+{allocator_section(summary)}{peak_section(summary)}
 ## Loss (global batch, mean over ranks)
 
 {loss_table(summary)}

@@ -1,7 +1,8 @@
 """From the per-rank results gathered on rank 0 to summary.json: figures, predictions, checks, notes."""
 from __future__ import annotations
 
-from .checks import allocator_check, loss_fell, loss_matches, prediction_check, zero_gradient_checks
+from .checks import (allocator_check, loss_fell, loss_matches, peak_checks, prediction_check,
+                     zero_gradient_checks)
 from .config import VerifyConfig
 from .report import MiB
 from .theory import ELEMENT_BYTES, RETAINED_KEYS, predict_retained
@@ -16,9 +17,8 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         return max(values) if values else None
 
     phases = ("forward", "backward", "step")
-    # CUDA: the allocator's peak per phase, every step; CPU: the tracker's, over the last step.
-    peaks = [p for p in (*(peak(f"peak_during_{ph}") for ph in phases), peak("peak_during_train_step"))
-             if p is not None]
+    # CUDA: the allocator's peak per phase, every step; CPU: the tracker's, on the last step.
+    peaks = [p for p in (peak(f"peak_during_{ph}") for ph in phases) if p is not None]
     reserved = [p for p in (peak(f"reserved_peak_during_{ph}") for ph in phases) if p is not None]
     return {
         "rank": rank,
@@ -39,6 +39,8 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "peak_during_step": peak("peak_during_step"),
         "peak_bytes": max(peaks) if peaks else None,
         "reserved_peak_bytes": max(reserved) if reserved else None,
+        "peak_anatomy": last.get("peak_anatomy"),
+        "last_step_peaks": {ph: last.get(f"peak_during_{ph}") for ph in phases},
         "alloc_retries": last.get("alloc_retries"),
         "ooms": last.get("ooms"),
     }
@@ -79,6 +81,7 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
                     leftovers.append(f"{name} rank {rank['rank']} ({rank['allocated_at_start'] / MiB:.1f} MiB)")
                 else:
                     checks.append(allocator_check(name, rank))
+                checks += peak_checks(name, rank)
     checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
     checks += [loss_matches(name, s["losses"], config.baseline, base["losses"], config.precision)
                for name, s in strategies.items() if name != config.baseline]
@@ -92,7 +95,10 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
     notes += bucket_notes(config, strategies, sum(param_numels))
     if leftovers:
         notes.append("The allocator was not compared with the census where an earlier strategy's memory was still "
-                     "allocated at the start: " + ", ".join(leftovers))
+                     "allocated at the start: " + ", ".join(leftovers) + ". Allocated by (rank 0): "
+                     + "; ".join(f"{name}: " + ", ".join(f"{src} {b / MiB:.1f} MiB" for src, b in
+                                                        list(gathered[0][i]["leftover_sources"].items())[:3])
+                                 for i, name in enumerate(config.strategies) if gathered[0][i]["leftover_sources"]))
     skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
     if skipped:
         notes.append("fp16 dynamic loss scaling skipped steps that overflowed (strategy: steps): "

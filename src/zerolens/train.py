@@ -33,6 +33,7 @@ class StrategyRun:
     records: list[dict] = field(default_factory=list)  # one per step, this rank
     losses: list[float] = field(default_factory=list)  # global-batch loss per step (mean over ranks)
     allocated_at_start: int | None = None
+    leftover_sources: dict[str, int] = field(default_factory=dict)  # CUDA: who allocated what was left
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -46,6 +47,8 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     # What earlier strategies left allocated (CUDA; the previous one collected and emptied the cache
     # at its end). On 2xH200 DDP's buckets stayed allocated here and were freed during the next run.
     run.allocated_at_start = probe.allocated()
+    if run.allocated_at_start:
+        run.leftover_sources = probe.live_block_sources()
     model = build_model(model_config, seed)
     strategy.setup(model, device)
     run.notes = strategy.notes()
@@ -60,30 +63,37 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         tokens, labels = rank_slice(tokens, labels, rank, world_size)
         record = {"strategy": strategy.name, "rank": rank, "step": step}
 
+        # The last step is measured in detail: per-phase CPU peaks (slow: a tensor tracker) and,
+        # on CUDA, the allocator's events for the anatomy of each peak.
         last = step == steps - 1
-        # On CPU the last step runs under an allocation tracker for its peak (slow: once).
-        with probe.cpu_step_peak(strategy, into=record) if last else contextlib.nullcontext():
+        with probe.detailed_step(strategy) if last else contextlib.nullcontext():
             phase.name = "forward"
-            probe.phase_start()
-            with probe.saved_activations(strategy, into=record):
-                loss = strategy.forward_loss(tokens, labels)
-            record |= probe.phase_end("forward")
+            with probe.phase("forward", record, detailed=last):
+                with probe.saved_activations(strategy, into=record):
+                    loss = strategy.forward_loss(tokens, labels)
 
             phase.name = "backward"
-            probe.phase_start()
-            strategy.backward(loss)
-            record |= probe.phase_end("backward")
+            with probe.phase("backward", record, detailed=last):
+                if last:  # what the strategy holds once backward has begun (e.g. reduce buckets)
+                    loss.register_hook(lambda grad: probe.note_held(strategy))
+                strategy.backward(loss)
+            probe.note_held(strategy)
             phase.name = "census after backward"
             record |= probe.census(strategy, "backward")
 
             phase.name = "step"
-            probe.phase_start()
-            record["step_applied"] = strategy.step()
-            record |= probe.phase_end("step")
+            with probe.phase("step", record, detailed=last):
+                record["step_applied"] = strategy.step()
+            probe.note_held(strategy)
             phase.name = "census after step"
             record |= probe.census(strategy, "step")
-            if last:  # clearing them costs a re-allocation: only once, at the end
-                record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
+        if last:
+            # Clearing the cuBLAS workspaces costs a re-allocation: only once, at the end.
+            record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
+            if device.type == "cuda":
+                phase.name = "peak anatomy"
+                record["peak_anatomy"] = probe.peak_anatomy(
+                    known_preexisting_bytes=(record["cublas_workspace_bytes"] or 0) + (run.allocated_at_start or 0))
 
         phase.name = "loss all-reduce"
         local_loss = loss.detach().float().reshape(1)

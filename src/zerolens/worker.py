@@ -97,6 +97,7 @@ def run(config: VerifyConfig, device: torch.device, out: Path, command: str, pha
     rank = dist.get_rank()
     settings = TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
                              world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
+                             gradient_clipping=config.gradient_clipping,
                              verbose=config.verbose)
     if rank == 0:
         report.write_json(out / "config.json", {"command": command, **config.to_json(),
@@ -114,7 +115,8 @@ def run(config: VerifyConfig, device: torch.device, out: Path, command: str, pha
                                 phase=phase)
         results.append({"losses": result.losses, "records": result.records, "seconds": result.seconds,
                         "settings": strategy.describe(), "notes": result.notes,
-                        "allocated_at_start": result.allocated_at_start})
+                        "allocated_at_start": result.allocated_at_start,
+                        "leftover_sources": result.leftover_sources})
         if rank == 0:
             print(f"zerolens: {name} done in {result.seconds:.1f} s, loss {result.losses[0]:.4f} -> "
                   f"{result.losses[-1]:.4f}", flush=True)

@@ -1,0 +1,175 @@
+"""What the CUDA allocator held at the peak of a phase, byte by byte, by component.
+
+The caching allocator can record every allocation and free with the Python stack that made it
+(torch.cuda.memory._record_memory_history). We record one phase at a time on the last step,
+replay its events to find the instant of the peak, and name each block alive at that instant:
+
+- by address, from the census: the storages of parameters, gradients, optimizer states and
+  communication buffers the strategy holds (taken at the phase's start, during it, and at its end);
+- by address, from the saved-tensor hooks: activations saved for backward;
+- blocks alive before the phase and in no census: the cuBLAS workspaces and what earlier
+  strategies left (both measured elsewhere, so the rest is unattributed);
+- blocks allocated during the phase and held by nothing above are temporaries, named by the code
+  that allocated them: DeepSpeed's (reduce buckets, gathered parameters, fp32 gradient copies),
+  the optimizer's, autograd's in backward (no Python frame: the gradients of activations), the
+  model's in forward.
+
+The replay's peak must equal the allocator's own peak statistic: that checks the replay.
+Everything here but `record_phase` is a pure function of the snapshot, so it is tested on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+PEAK_COMPONENTS = ("param", "grad", "optimizer_state", "comm_buffer", "activation",
+                   "deepspeed_transient", "optimizer_transient", "autograd_transient", "forward_transient",
+                   "workspace_and_earlier", "unattributed")
+# Each Python frame's file decides who allocated a block, innermost frame first.
+DEEPSPEED_PATH = "/deepspeed/"
+OPTIMIZER_PATHS = ("/torch/optim/", "/torch/nn/utils/clip_grad")
+MAX_ENTRIES = 2_000_000  # alloc/free events kept per phase; a phase of the 1B preset needs tens of thousands
+
+
+@dataclass
+class Block:
+    size: int
+    preexisting: bool
+    frames: list = field(default_factory=list)
+
+
+def _live_blocks(segments: list[dict]) -> dict[int, Block]:
+    """Blocks allocated now (the snapshot's end), by address. A segment lists its blocks in
+    address order, so each block's address is the segment's plus the sizes before it."""
+    live = {}
+    for seg in segments:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                live[addr] = Block(b["size"], preexisting=False, frames=b.get("frames", []))
+            addr += b["size"]
+    return live
+
+
+def replay_to_peak(segments: list[dict], events: list[dict]) -> tuple[int, int, dict[int, Block]]:
+    """(allocated at the phase's start, peak, blocks alive at the peak) from the blocks alive at
+    the end of the phase and the phase's alloc/free events. free_requested is when the allocator
+    stops counting a block as allocated (memory_stats' allocated_bytes)."""
+    events = [e for e in events if e["action"] in ("alloc", "free_requested")]
+    end = _live_blocks(segments)
+    # Walk back from the end to the start: undo each event.
+    start = dict(end)
+    for e in reversed(events):
+        if e["action"] == "alloc":
+            start.pop(e["addr"], None)
+        else:
+            start[e["addr"]] = Block(e["size"], preexisting=True)
+    for block in start.values():
+        block.preexisting = True
+    live = dict(start)
+    at_start = current = peak = sum(b.size for b in start.values())
+    peak_index = -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            current += e["size"]
+        else:
+            current -= e["size"]
+        if current > peak:
+            peak, peak_index = current, i
+    for e in events[:peak_index + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = Block(e["size"], preexisting=False, frames=e.get("frames") or [])
+        else:
+            live.pop(e["addr"], None)
+    return at_start, peak, live
+
+
+def allocating_code(frames: list[dict]) -> str:
+    """file:function of the innermost frame outside torch's own modules, or of the innermost one."""
+    for f in frames:
+        if "/torch/" not in f["filename"] or any(p in f["filename"] for p in OPTIMIZER_PATHS):
+            return f"{f['filename'].rsplit('/', 1)[-1]}:{f['name']}"
+    return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['name']}" if frames else "(no Python frame)"
+
+
+def classify(block: Block, addr: int, phase: str, held: dict[int, str], activations: set[int]) -> str:
+    if addr in held:
+        return held[addr]
+    if addr in activations:
+        return "activation"
+    if block.preexisting:
+        return "workspace_and_earlier"
+    files = [f["filename"] for f in block.frames]
+    if any(DEEPSPEED_PATH in f for f in files):
+        return "deepspeed_transient"
+    if any(p in f for f in files for p in OPTIMIZER_PATHS):
+        return "optimizer_transient"
+    if not files:
+        # Autograd runs backward in C++ with no Python frame; elsewhere a block without one
+        # (made by a C++ thread of a backend) is something we cannot name.
+        return "autograd_transient" if phase == "backward" else "unattributed"
+    return "forward_transient" if phase == "forward" else "unattributed"
+
+
+def peak_anatomy(segments: list[dict], events: list[dict], phase: str, held: dict[int, str],
+                 activations: set[int], known_preexisting_bytes: int) -> dict:
+    """Bytes per component at the phase's peak. `known_preexisting_bytes` (cuBLAS workspaces and
+    earlier strategies' leftovers, measured elsewhere) is how much of `workspace_and_earlier` is
+    explained; the excess moves to `unattributed`."""
+    at_start, peak, live = replay_to_peak(segments, events)
+    components = dict.fromkeys(PEAK_COMPONENTS, 0)
+    sources: dict[str, int] = {}
+    for addr, block in live.items():
+        kind = classify(block, addr, phase, held, activations)
+        components[kind] += block.size
+        if kind.endswith("_transient") or kind == "unattributed" and not block.preexisting:
+            source = f"{kind}: {allocating_code(block.frames)}"
+            sources[source] = sources.get(source, 0) + block.size
+    excess = components["workspace_and_earlier"] - known_preexisting_bytes
+    if excess > 0:
+        components["workspace_and_earlier"] -= excess
+        components["unattributed"] += excess
+    top = dict(sorted(sources.items(), key=lambda kv: -kv[1])[:6])
+    return {"allocated_at_start": at_start, "replayed_peak": peak, "components": components,
+            "largest_transients": top}
+
+
+def address_map(holdings) -> dict[int, str]:
+    """Storage start address -> component, for every storage the census counts (first component wins,
+    as in census.count)."""
+    out: dict[int, str] = {}
+    for component in ("param", "grad", "optimizer_state", "comm_buffer"):
+        for t in getattr(holdings, component):
+            if t is not None and t.device.type == "cuda" and t.untyped_storage().nbytes():
+                out.setdefault(t.untyped_storage().data_ptr(), component)
+    return out
+
+
+@contextlib.contextmanager
+def record_phase(device_index: int, into: dict):
+    """Records the allocator's events during the block; on exit puts the snapshot's segments and
+    this device's events into `into` and goes back to recording only live blocks' stacks."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python",
+                                             max_entries=MAX_ENTRIES, clear_history=True)
+    try:
+        yield
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        events = snapshot["device_traces"][device_index]
+        if len(events) >= MAX_ENTRIES:
+            raise RuntimeError(f"the allocator trace filled its {MAX_ENTRIES} entries; the peak cannot be replayed")
+        into["segments"] = [s for s in snapshot["segments"] if s["device"] == device_index]
+        into["events"] = events
+    finally:
+        torch.cuda.memory._record_memory_history("state", context="alloc", stacks="python")
+
+
+def live_block_sources(segments: list[dict]) -> dict[str, int]:
+    """Bytes of the blocks allocated now, by the code that allocated them (largest first)."""
+    sources: dict[str, int] = {}
+    for block in _live_blocks(segments).values():
+        source = allocating_code(block.frames)
+        sources[source] = sources.get(source, 0) + block.size
+    return dict(sorted(sources.items(), key=lambda kv: -kv[1]))
