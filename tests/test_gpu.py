@@ -17,7 +17,7 @@ def test_verify_on_two_gpus(tmp_path):
     for name in ("zero0", "zero2"):
         for rank in summary["strategies"][name]["ranks"]:
             assert rank["peak_bytes"] > 0 and rank["allocated_after_backward"] > 0
-    # The peak anatomy: each phase's peak replayed from the allocator's events and explained.
+    # The peak anatomy: every phase's peak explained by components within 5%.
     peak_checks = [c for c in summary["checks"] if c["name"].startswith("peak ")]
-    assert len(peak_checks) == 2 * 2 * 3 * 2  # 2 strategies x 2 ranks x 3 phases x 2 checks
+    assert len(peak_checks) == 2 * 2 * 3  # 2 strategies x 2 ranks x 3 phases
     assert all(c["passed"] for c in peak_checks), [c["detail"] for c in peak_checks if not c["passed"]]

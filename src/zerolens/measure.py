@@ -32,8 +32,13 @@ class MemoryProbe:
             # Keep the allocating Python stack of every live block (about 2 us per allocation):
             # it names what an earlier strategy left allocated, and feeds the peak anatomy.
             torch.cuda.memory._record_memory_history("state", context="alloc", stacks="python")
+        self.device = device
         self.tracker = None
-        self.held: dict[int, str] = {}  # storage address -> component, for the peak anatomy
+        # For the peak anatomy (CUDA, last step): storage address -> component, taken at each
+        # phase boundary and, marked in the trace, during a phase.
+        self.boundary_maps: list[dict[int, str]] = []
+        self.during_maps: dict[str, list[dict[int, str]]] = {}
+        self.recording: str | None = None  # the phase whose allocator events are being recorded
         self.activation_addresses: set[int] = set()
         self.traces: dict[str, dict] = {}
 
@@ -53,10 +58,10 @@ class MemoryProbe:
     @contextlib.contextmanager
     def detailed_step(self, strategy: Strategy):
         """Around the last step: what the detailed per-phase readings need."""
-        self.traces = {}
+        self.traces, self.during_maps = {}, {}
         self.activation_addresses = set()
         if self.cuda:
-            self.held = peaks.address_map(strategy.holdings())
+            self.boundary_maps = [peaks.address_map(strategy.holdings())]
             yield
             return
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -78,13 +83,18 @@ class MemoryProbe:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             if detailed:
-                self.traces[name] = {}
-                with peaks.record_phase(self.device_index, self.traces[name]):
-                    yield
+                self.traces[name], self.during_maps[name], self.recording = {}, [], name
+                try:
+                    with peaks.record_phase(self.device_index, self.traces[name]):
+                        yield
+                finally:
+                    self.recording = None
             else:
                 yield
             torch.cuda.synchronize()
             stats = torch.cuda.memory_stats()
+            if detailed:
+                self.traces[name]["allocator_peak"] = stats["allocated_bytes.all.peak"]
             into |= {f"allocated_after_{name}": stats["allocated_bytes.all.current"],
                      f"peak_during_{name}": stats["allocated_bytes.all.peak"],
                      f"active_peak_during_{name}": stats["active_bytes.all.peak"],
@@ -99,17 +109,31 @@ class MemoryProbe:
             yield
 
     def note_held(self, strategy: Strategy) -> None:
-        """CUDA, last step: remember which storages the strategy holds now (for the peak anatomy)."""
-        if self.cuda and self.traces:
-            for addr, component in peaks.address_map(strategy.holdings()).items():
-                self.held.setdefault(addr, component)
+        """CUDA, last step: which storages the strategy holds now, for the peak anatomy. Between
+        phases it is a boundary (with the activations just saved, after forward); inside a
+        recorded phase it is marked in the allocator's trace."""
+        if not (self.cuda and self.traces):
+            return
+        held = peaks.address_map(strategy.holdings())
+        if self.recording:
+            peaks.trace_marker(self.device)
+            self.during_maps[self.recording].append(held)
+            return
+        for addr in self.activation_addresses:
+            held.setdefault(addr, "activation")
+        self.activation_addresses = set()
+        self.boundary_maps.append(held)
 
     def peak_anatomy(self, known_preexisting_bytes: int) -> dict:
-        """CUDA, after the last step: every byte at each phase's peak, by component."""
-        out = {name: peaks.peak_anatomy(t["segments"], t["events"], name, self.held, self.activation_addresses,
-                                        known_preexisting_bytes)
-               for name, t in self.traces.items()}
-        self.traces = {}
+        """CUDA, after the last step: every byte at each phase's peak, by component. Phase i runs
+        from boundary map i to boundary map i + 1."""
+        out = {}
+        for i, (name, t) in enumerate(self.traces.items()):
+            out[name] = peaks.peak_anatomy(
+                t["segments"], t["events"], name, at_start=self.boundary_maps[i], during=self.during_maps[name],
+                at_end=self.boundary_maps[i + 1], known_preexisting_bytes=known_preexisting_bytes,
+                allocator_peak=t["allocator_peak"])
+        self.traces, self.during_maps, self.boundary_maps = {}, {}, []
         return out
 
     def cublas_workspace_bytes(self) -> int | None:

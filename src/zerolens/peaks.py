@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 PEAK_COMPONENTS = ("param", "grad", "optimizer_state", "comm_buffer", "activation",
                    "deepspeed_transient", "optimizer_transient", "autograd_transient", "forward_transient",
-                   "workspace_and_earlier", "unattributed")
+                   "workspace_and_earlier", "unattributed", "allocator_slack")
 # Each Python frame's file decides who allocated a block, innermost frame first.
 DEEPSPEED_PATH = "/deepspeed/"
 OPTIMIZER_PATHS = ("/torch/optim/", "/torch/nn/utils/clip_grad")
@@ -33,9 +33,14 @@ MAX_ENTRIES = 2_000_000  # alloc/free events kept per phase; a phase of the 1B p
 
 @dataclass
 class Block:
-    size: int
-    preexisting: bool
+    size: int  # bytes requested (the allocator rounds up; the difference shows as allocator slack)
+    alloc_index: int  # position of its alloc event in the phase; -1 if allocated before the phase
     frames: list = field(default_factory=list)
+    free_index: float = float("inf")  # position of its free event; inf if alive at the phase's end
+
+    @property
+    def preexisting(self) -> bool:
+        return self.alloc_index < 0
 
 
 def _live_blocks(segments: list[dict]) -> dict[int, Block]:
@@ -46,42 +51,45 @@ def _live_blocks(segments: list[dict]) -> dict[int, Block]:
         addr = seg["address"]
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
-                live[addr] = Block(b["size"], preexisting=False, frames=b.get("frames", []))
+                live[addr] = Block(b.get("requested_size", b["size"]), -1, b.get("frames", []))
             addr += b["size"]
     return live
 
 
-def replay_to_peak(segments: list[dict], events: list[dict]) -> tuple[int, int, dict[int, Block]]:
-    """(allocated at the phase's start, peak, blocks alive at the peak) from the blocks alive at
-    the end of the phase and the phase's alloc/free events. free_requested is when the allocator
-    stops counting a block as allocated (memory_stats' allocated_bytes)."""
+def replay_to_peak(segments: list[dict], events: list[dict]) -> tuple[int, int, dict[int, Block], list[dict]]:
+    """(bytes allocated at the phase's start, peak, blocks alive at the peak, the events) from the
+    blocks alive at the end of the phase and its alloc/free events. Sizes are the requested ones,
+    which the trace records; free_requested is when the allocator stops counting a block."""
     events = [e for e in events if e["action"] in ("alloc", "free_requested")]
-    end = _live_blocks(segments)
-    # Walk back from the end to the start: undo each event.
-    start = dict(end)
-    for e in reversed(events):
+    start = _live_blocks(segments)
+    for e in reversed(events):  # walk back from the end: undo each event
         if e["action"] == "alloc":
             start.pop(e["addr"], None)
         else:
-            start[e["addr"]] = Block(e["size"], preexisting=True)
-    for block in start.values():
-        block.preexisting = True
-    live = dict(start)
+            start[e["addr"]] = Block(e["size"], -1)
     at_start = current = peak = sum(b.size for b in start.values())
     peak_index = -1
     for i, e in enumerate(events):
-        if e["action"] == "alloc":
-            current += e["size"]
-        else:
-            current -= e["size"]
+        current += e["size"] if e["action"] == "alloc" else -e["size"]
         if current > peak:
             peak, peak_index = current, i
-    for e in events[:peak_index + 1]:
+    live = dict(start)
+    for i, e in enumerate(events[:peak_index + 1]):
         if e["action"] == "alloc":
-            live[e["addr"]] = Block(e["size"], preexisting=False, frames=e.get("frames") or [])
+            live[e["addr"]] = Block(e["size"], i, e.get("frames") or [])
         else:
             live.pop(e["addr"], None)
-    return at_start, peak, live
+    for i in range(peak_index + 1, len(events)):  # when the blocks alive at the peak are freed
+        e = events[i]
+        if e["action"] == "free_requested" and e["addr"] in live and live[e["addr"]].free_index == float("inf"):
+            live[e["addr"]].free_index = i
+    return at_start, peak, live, events
+
+
+def marker_positions(events: list[dict]) -> list[int]:
+    """Positions of the allocations made by `trace_marker`, in order."""
+    return [i for i, e in enumerate(events)
+            if e["action"] == "alloc" and any(f["name"] == "trace_marker" for f in e.get("frames") or [])]
 
 
 def allocating_code(frames: list[dict]) -> str:
@@ -92,46 +100,72 @@ def allocating_code(frames: list[dict]) -> str:
     return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['name']}" if frames else "(no Python frame)"
 
 
-def classify(block: Block, addr: int, phase: str, held: dict[int, str], activations: set[int]) -> str:
-    if addr in held:
-        return held[addr]
-    if addr in activations:
-        return "activation"
+def transient_kind(block: Block, phase: str) -> str:
+    """Who made a temporary: decided by the innermost frame that is the optimizer's, DeepSpeed's or
+    outside torch (the model's code)."""
+    for f in block.frames:
+        name = f["filename"]
+        if any(p in name for p in OPTIMIZER_PATHS):
+            return "optimizer_transient"
+        if DEEPSPEED_PATH in name:
+            return "deepspeed_transient"
+        if "/torch/" not in name:
+            return "forward_transient" if phase == "forward" else "unattributed"
+    # Autograd runs backward in C++ with no Python frame; elsewhere such a block (made by a
+    # backend's C++ thread) is something we cannot name.
+    return "autograd_transient" if phase == "backward" and not block.frames else "unattributed"
+
+
+def classify(block: Block, addr: int, phase: str, at_start: dict[int, str], during: list[tuple[int, dict[int, str]]],
+             at_end: dict[int, str]) -> str:
+    """A component from an address map taken while this block was alive, else by who allocated it.
+    A map taken at another moment could name a different tensor that reused the address."""
+    if block.preexisting and addr in at_start:
+        return at_start[addr]
+    for position, held in during:
+        if block.alloc_index < position < block.free_index and addr in held:
+            return held[addr]
+    if block.free_index == float("inf") and addr in at_end:
+        return at_end[addr]
     if block.preexisting:
         return "workspace_and_earlier"
-    files = [f["filename"] for f in block.frames]
-    if any(DEEPSPEED_PATH in f for f in files):
-        return "deepspeed_transient"
-    if any(p in f for f in files for p in OPTIMIZER_PATHS):
-        return "optimizer_transient"
-    if not files:
-        # Autograd runs backward in C++ with no Python frame; elsewhere a block without one
-        # (made by a C++ thread of a backend) is something we cannot name.
-        return "autograd_transient" if phase == "backward" else "unattributed"
-    return "forward_transient" if phase == "forward" else "unattributed"
+    return transient_kind(block, phase)
 
 
-def peak_anatomy(segments: list[dict], events: list[dict], phase: str, held: dict[int, str],
-                 activations: set[int], known_preexisting_bytes: int) -> dict:
-    """Bytes per component at the phase's peak. `known_preexisting_bytes` (cuBLAS workspaces and
-    earlier strategies' leftovers, measured elsewhere) is how much of `workspace_and_earlier` is
-    explained; the excess moves to `unattributed`."""
-    at_start, peak, live = replay_to_peak(segments, events)
+def peak_anatomy(segments: list[dict], events: list[dict], phase: str, *, at_start: dict[int, str],
+                 during: list[dict[int, str]], at_end: dict[int, str], known_preexisting_bytes: int,
+                 allocator_peak: int) -> dict:
+    """Bytes per component at the phase's peak. `during` holds the maps taken at `trace_marker`
+    calls, in order. `known_preexisting_bytes` (cuBLAS workspaces and earlier strategies'
+    leftovers, measured elsewhere) is how much of `workspace_and_earlier` is explained; the excess
+    moves to `unattributed`. What the allocator's own peak exceeds the replay by is its rounding
+    of requested sizes (`allocator_slack`)."""
+    start_bytes, peak, live, events = replay_to_peak(segments, events)
+    positions = marker_positions(events)
+    if len(positions) != len(during):
+        raise RuntimeError(f"{len(during)} censuses during {phase} but {len(positions)} markers in the trace")
     components = dict.fromkeys(PEAK_COMPONENTS, 0)
     sources: dict[str, int] = {}
     for addr, block in live.items():
-        kind = classify(block, addr, phase, held, activations)
+        kind = classify(block, addr, phase, at_start, list(zip(positions, during)), at_end)
         components[kind] += block.size
-        if kind.endswith("_transient") or kind == "unattributed" and not block.preexisting:
+        if not block.preexisting and (kind.endswith("_transient") or kind == "unattributed"):
             source = f"{kind}: {allocating_code(block.frames)}"
             sources[source] = sources.get(source, 0) + block.size
     excess = components["workspace_and_earlier"] - known_preexisting_bytes
     if excess > 0:
         components["workspace_and_earlier"] -= excess
         components["unattributed"] += excess
+    components["allocator_slack"] = allocator_peak - peak
     top = dict(sorted(sources.items(), key=lambda kv: -kv[1])[:6])
-    return {"allocated_at_start": at_start, "replayed_peak": peak, "components": components,
-            "largest_transients": top}
+    return {"allocated_at_start": start_bytes, "replayed_peak": peak, "allocator_peak": allocator_peak,
+            "components": components, "largest_transients": top}
+
+
+def trace_marker(device) -> None:
+    """A tiny allocation whose Python frame marks a moment in the allocator's trace."""
+    import torch
+    torch.empty(1, device=device)
 
 
 def address_map(holdings) -> dict[int, str]:

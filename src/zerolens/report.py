@@ -110,7 +110,8 @@ PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimize
                 "comm_buffer": "comm buffers", "activation": "activations saved",
                 "deepspeed_transient": "DeepSpeed transient", "optimizer_transient": "optimizer transient",
                 "autograd_transient": "autograd transient", "forward_transient": "forward transient",
-                "workspace_and_earlier": "cuBLAS workspace + earlier", "unattributed": "unattributed"}
+                "workspace_and_earlier": "cuBLAS workspace + earlier", "unattributed": "unattributed",
+                "allocator_slack": "allocator rounding"}
 
 
 def peak_section(summary: dict) -> str:
@@ -120,7 +121,7 @@ def peak_section(summary: dict) -> str:
         r = s["ranks"][0]
         for phase, anatomy in (r.get("peak_anatomy") or {}).items():
             parts = anatomy["components"]
-            rows.append([name, phase, mib(anatomy["replayed_peak"]), *(mib(parts[k]) for k in PEAK_COLUMNS)])
+            rows.append([name, phase, mib(anatomy["allocator_peak"]), *(mib(parts[k]) for k in PEAK_COLUMNS)])
             sources += [f"- {name}, {phase}: " + "; ".join(f"{src} {mib(b)}" for src, b in
                                                            anatomy["largest_transients"].items())]
     if not rows:
@@ -128,10 +129,12 @@ def peak_section(summary: dict) -> str:
     table = markdown_table(["strategy", "phase", "peak", *PEAK_COLUMNS.values()], rows)
     return f"""
 ### At each peak, by component (last step, rank 0, MiB)
-Replayed from the allocator's recorded events; every block alive at the peak is named by the \
-census (address), the saved-tensor hooks (activations), or, for temporaries, by the code that \
-allocated it. "cuBLAS workspace + earlier" is memory allocated before the phase that no census \
-holds, up to the measured workspaces and earlier strategies' leftovers; beyond that it is unattributed.
+Replayed from the allocator's recorded events (requested sizes); every block alive at the peak \
+is named by an address map taken while it was alive (census, saved-tensor hooks) or, for \
+temporaries, by the code that allocated it. "cuBLAS workspace + earlier" is memory allocated \
+before the phase that no census holds, up to the measured workspaces and earlier strategies' \
+leftovers; beyond that it is unattributed. "allocator rounding": the allocator's peak less the \
+replayed one (block sizes are rounded up from requests).
 
 {table}
 

@@ -1,7 +1,7 @@
 """From the per-rank results gathered on rank 0 to summary.json: figures, predictions, checks, notes."""
 from __future__ import annotations
 
-from .checks import (allocator_check, loss_fell, loss_matches, peak_checks, prediction_check,
+from .checks import (allocator_check, loss_fell, loss_matches, peak_check, prediction_check,
                      zero_gradient_checks)
 from .config import VerifyConfig
 from .report import MiB
@@ -40,7 +40,6 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "peak_bytes": max(peaks) if peaks else None,
         "reserved_peak_bytes": max(reserved) if reserved else None,
         "peak_anatomy": last.get("peak_anatomy"),
-        "last_step_peaks": {ph: last.get(f"peak_during_{ph}") for ph in phases},
         "alloc_retries": last.get("alloc_retries"),
         "ooms": last.get("ooms"),
     }
@@ -81,7 +80,8 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
                     leftovers.append(f"{name} rank {rank['rank']} ({rank['allocated_at_start'] / MiB:.1f} MiB)")
                 else:
                     checks.append(allocator_check(name, rank))
-                checks += peak_checks(name, rank)
+                checks += [peak_check(name, rank["rank"], phase, anatomy)
+                           for phase, anatomy in (rank["peak_anatomy"] or {}).items()]
     checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
     checks += [loss_matches(name, s["losses"], config.baseline, base["losses"], config.precision)
                for name, s in strategies.items() if name != config.baseline]
@@ -95,9 +95,8 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
     notes += bucket_notes(config, strategies, sum(param_numels))
     if leftovers:
         notes.append("The allocator was not compared with the census where an earlier strategy's memory was still "
-                     "allocated at the start: " + ", ".join(leftovers) + ". Allocated by (rank 0): "
-                     + "; ".join(f"{name}: " + ", ".join(f"{src} {b / MiB:.1f} MiB" for src, b in
-                                                        list(gathered[0][i]["leftover_sources"].items())[:3])
+                     "allocated at the start: " + ", ".join(leftovers) + ". On rank 0: "
+                     + "; ".join(f"{name}: {leftover_text(gathered[0][i]['leftover_sources'])}"
                                  for i, name in enumerate(config.strategies) if gathered[0][i]["leftover_sources"]))
     skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
     if skipped:
@@ -111,6 +110,12 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
     }
 
 
+
+
+def leftover_text(sources: dict[str, int]) -> str:
+    """The three largest allocating sites of leftover memory, then what still refers to it."""
+    sized = [f"allocated by {src} {b / MiB:.1f} MiB" for src, b in sources.items() if b][:3]
+    return ", ".join(sized + [src for src, b in sources.items() if not b])
 
 
 def recommended_bucket(psi: int, world_size: int) -> int:

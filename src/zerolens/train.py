@@ -38,6 +38,15 @@ class StrategyRun:
     notes: list[str] = field(default_factory=list)
 
 
+def still_referenced_wrappers() -> list[str]:
+    """Diagnosis for memory an earlier strategy left allocated: the data-parallel wrappers still
+    alive after their strategy's teardown, and the types of what refers to them."""
+    alive = [o for o in gc.get_objects() if isinstance(o, torch.nn.parallel.DistributedDataParallel)]
+    return [f"DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
+                                                               if r is not alive}))
+            for o in alive]
+
+
 def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int, seed: int, signal: float,
                    micro_batch: int, device: torch.device, phase: Phase) -> StrategyRun:
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -49,6 +58,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     run.allocated_at_start = probe.allocated()
     if run.allocated_at_start:
         run.leftover_sources = probe.live_block_sources()
+        run.leftover_sources |= {f"still referenced: {k}": 0 for k in still_referenced_wrappers()}
     model = build_model(model_config, seed)
     strategy.setup(model, device)
     run.notes = strategy.notes()
@@ -71,6 +81,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
             with probe.phase("forward", record, detailed=last):
                 with probe.saved_activations(strategy, into=record):
                     loss = strategy.forward_loss(tokens, labels)
+            probe.note_held(strategy)
 
             phase.name = "backward"
             with probe.phase("backward", record, detailed=last):
