@@ -49,11 +49,17 @@ class MemoryProbe:
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
 
+    def _segments(self) -> list[dict]:
+        torch.cuda.synchronize()
+        return [s for s in torch.cuda.memory._snapshot()["segments"] if s["device"] == self.device_index]
+
     def live_block_sources(self) -> dict[str, int]:
         """CUDA: bytes of the blocks allocated now, by the code that allocated them."""
-        snapshot = torch.cuda.memory._snapshot()
-        segments = [s for s in snapshot["segments"] if s["device"] == self.device_index]
-        return peaks.live_block_sources(segments)
+        return peaks.live_block_sources(self._segments())
+
+    def live_block_sizes(self) -> dict[int, int]:
+        """CUDA: address -> size of the blocks allocated now."""
+        return peaks.live_block_sizes(self._segments())
 
     @contextlib.contextmanager
     def detailed_step(self, strategy: Strategy):

@@ -200,6 +200,18 @@ def record_phase(device_index: int, into: dict):
         torch.cuda.memory._record_memory_history("state", context="alloc", stacks="python")
 
 
+def live_block_sizes(segments: list[dict]) -> dict[int, int]:
+    """Address -> block size (what the allocator counts) of every block allocated now."""
+    sizes = {}
+    for seg in segments:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                sizes[addr] = b["size"]
+            addr += b["size"]
+    return sizes
+
+
 def live_block_sources(segments: list[dict]) -> dict[str, int]:
     """Bytes of the blocks allocated now, by the code that allocated them (largest first)."""
     sources: dict[str, int] = {}

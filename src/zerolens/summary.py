@@ -33,6 +33,7 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "allocated_after_backward": last.get("allocated_after_backward"),
         "allocated_after_step": last.get("allocated_after_step"),
         "cublas_workspace_bytes": last.get("cublas_workspace_bytes"),
+        "leftover_bytes_at_end": last.get("leftover_bytes_at_end"),
         "reserved_after_step": last.get("reserved_after_step"),
         "peak_during_forward": peak("peak_during_forward"),
         "peak_during_backward": peak("peak_during_backward"),
@@ -74,12 +75,13 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
     if config.device == "cuda":
         for name, s in strategies.items():
             for rank in s["ranks"]:
-                # Memory an earlier strategy left allocated may be released in the middle of this one
-                # (seen: DDP's buckets under zero0 on 2xH200), so the two views cannot be compared.
+                # Memory an earlier strategy left allocated can be released in the middle of this one
+                # (seen: DDP's buckets under zero0 on 2xH200); what is left of it at the end is
+                # subtracted by the allocator check.
                 if rank["allocated_at_start"]:
-                    leftovers.append(f"{name} rank {rank['rank']} ({rank['allocated_at_start'] / MiB:.1f} MiB)")
-                else:
-                    checks.append(allocator_check(name, rank))
+                    leftovers.append(f"{name} rank {rank['rank']} ({rank['allocated_at_start'] / MiB:.1f} MiB at its "
+                                     f"start, {rank['leftover_bytes_at_end'] / MiB:.1f} MiB of it at its end)")
+                checks.append(allocator_check(name, rank))
                 checks += [peak_check(name, rank["rank"], phase, anatomy)
                            for phase, anatomy in (rank["peak_anatomy"] or {}).items()]
     checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
@@ -94,8 +96,8 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
     notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
     notes += bucket_notes(config, strategies, sum(param_numels))
     if leftovers:
-        notes.append("The allocator was not compared with the census where an earlier strategy's memory was still "
-                     "allocated at the start: " + ", ".join(leftovers) + ". On rank 0: "
+        notes.append("An earlier strategy's memory was still allocated when these started: " + ", ".join(leftovers)
+                     + "; the allocator check subtracts what was left of it at the end. On rank 0: "
                      + "; ".join(f"{name}: {leftover_text(gathered[0][i]['leftover_sources'])}"
                                  for i, name in enumerate(config.strategies) if gathered[0][i]["leftover_sources"]))
     skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}

@@ -56,9 +56,11 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     # What earlier strategies left allocated (CUDA; the previous one collected and emptied the cache
     # at its end). On 2xH200 DDP's buckets stayed allocated here and were freed during the next run.
     run.allocated_at_start = probe.allocated()
+    leftover_blocks = {}
     if run.allocated_at_start:
         run.leftover_sources = probe.live_block_sources()
         run.leftover_sources |= {f"still referenced: {k}": 0 for k in still_referenced_wrappers()}
+        leftover_blocks = probe.live_block_sizes()
     model = build_model(model_config, seed)
     strategy.setup(model, device)
     run.notes = strategy.notes()
@@ -102,6 +104,11 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
             # Clearing the cuBLAS workspaces costs a re-allocation: only once, at the end.
             record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
             if device.type == "cuda":
+                # What is still allocated of the earlier strategies' leftovers (same block, same
+                # size): released at some point during this run, not at its start.
+                now = probe.live_block_sizes() if leftover_blocks else {}
+                record["leftover_bytes_at_end"] = sum(size for addr, size in leftover_blocks.items()
+                                                      if now.get(addr) == size)
                 phase.name = "peak anatomy"
                 record["peak_anatomy"] = probe.peak_anatomy(
                     known_preexisting_bytes=(record["cublas_workspace_bytes"] or 0) + (run.allocated_at_start or 0))
