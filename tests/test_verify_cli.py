@@ -27,7 +27,8 @@ def test_default_verify_passes_and_prints_one_table(verify_run):
 
 def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     _, out = verify_run
-    for name in ("config.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md", "summary.json"):
+    for name in ("config.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md", "summary.json",
+                 "memory.png", "loss.png"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "PASS" and summary["world_size"] == 2 and summary["device"] == "cpu"

@@ -8,13 +8,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, report
 from .config import UserError, add_verify_arguments, config_from_args, parse_strategies
 from .estimate import estimate, param_numels_from_factory, preset_numels, render_estimate
 from .model import PRESETS
 from .strategies import STRATEGIES
 from .launch import WorkersFailed, launch_local
 from .worker import default_run_folder
+
+
+USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -30,30 +33,107 @@ def verify_parser(subparsers) -> None:
     p.set_defaults(func=verify_command)
 
 
-def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
-    config = config_from_args(args)
-    out = Path(config.out) if config.out else default_run_folder()
+def new_run_folder(out: Path) -> Path:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"run folder {out} already exists and is not empty; choose another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create run folder {out}: {e.strerror}") from None
+    return out
+
+
+def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
+    summary = run_verify(args, argv[1:], command=shlex.join(["zerolens", *argv]))
+    return 0 if summary is not None and summary["verdict"] == "PASS" else 1
+
+
+def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -> dict | None:
+    """One verify run on local workers; its summary, or None when a rank failed (said on stderr)."""
+    config = config_from_args(args)
+    out = new_run_folder(Path(config.out) if config.out else default_run_folder())
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
     # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
     os.environ.setdefault("DS_ACCELERATOR", config.device)
-    if config.device == "cpu":
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc)))
-    command = shlex.join(["zerolens", *argv])
-    worker_args = [*argv[1:], "--device", config.device, "--nproc", str(config.nproc), "--out", str(out),
+    if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+    worker_args = [*verify_argv, "--device", config.device, "--nproc", str(config.nproc), "--out", str(out),
                    "--fail-exit-code", "0", "--command", command]
     try:
         launch_local(config.nproc, worker_args, verbose=config.verbose)
     except WorkersFailed as e:
         print(f"zerolens: FAILED: {e}", file=sys.stderr)
+        return None
+    return json.loads((out / "summary.json").read_text())
+
+
+def sweep_parser(subparsers) -> None:
+    p = subparsers.add_parser("sweep", help="verify over several world sizes and bucket sizes; table and plots",
+                              description="Run verify for every world size in --nproc-list and every "
+                                          "--reduce-bucket-sizes value, then tabulate and plot per-rank memory.")
+    add_verify_arguments(p)
+    p.add_argument("--nproc-list", default="1,2", help="comma-separated world sizes (default 1,2)")
+    p.add_argument("--reduce-bucket-sizes", default=None,
+                   help="comma-separated DeepSpeed reduce_bucket_size values (default: --reduce-bucket-size)")
+    p.set_defaults(func=sweep_command)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(float(v)) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{flag} needs positive values, got {text!r}")
+    return values
+
+
+def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from .sweep import point_summary, render_sweep
+    ns = int_list(args.nproc_list, "--nproc-list")
+    buckets = int_list(args.reduce_bucket_sizes, "--reduce-bucket-sizes") if args.reduce_bucket_sizes else \
+        [int(args.reduce_bucket_size)]
+    out = new_run_folder(Path(args.out) if args.out else default_run_folder())
+    for n in ns:  # every point's configuration is checked before the first one runs
+        config_from_args(argparse.Namespace(**{**vars(args), "nproc": n, "out": None}))
+    points, failed = [], []
+    for n in ns:
+        for bucket in buckets:
+            point_args = argparse.Namespace(**{**vars(args), "nproc": n, "reduce_bucket_size": bucket,
+                                               "out": str(out / f"n{n}-bucket{bucket}")})
+            verify_argv = [a for a in verify_flags(point_args)]
+            print(f"zerolens sweep: N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
+            summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
+            if summary is None:
+                failed.append(f"N={n} bucket {bucket:.0e}")
+                continue
+            points.append(point_summary(summary, bucket, point_args.out))
+    if not points:
+        print("zerolens: every sweep point failed", file=sys.stderr)
         return 1
-    summary = json.loads((out / "summary.json").read_text())
-    return 0 if summary["verdict"] == "PASS" else 1
+    text = render_sweep(points, command=shlex.join(["zerolens", *argv]), failed=failed)
+    report.write_json(out / "sweep.json", {"points": points, "failed": failed})
+    report.write_atomic(out / "sweep.md", text)
+    print("\n" + text)
+    try:
+        from .plots import sweep_plots
+        print("Plots: " + ", ".join(str(p) for p in sweep_plots(points, out)))
+    except ImportError:
+        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    return 0 if not failed and all(p["verdict"] == "PASS" for p in points) else 1
+
+
+def verify_flags(args: argparse.Namespace) -> list[str]:
+    """The verify command line for one sweep point."""
+    flags = ["--strategies", args.strategies, "--preset", args.preset, "--steps", str(args.steps),
+             "--seed", str(args.seed), "--micro-batch", str(args.micro_batch),
+             "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping),
+             "--nproc", str(args.nproc), "--out", args.out]
+    for flag, value in (("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
+                        ("--lr", args.lr), ("--global-batch", args.global_batch)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags + (["--verbose"] if args.verbose else [])
 
 
 def estimate_parser(subparsers) -> None:
@@ -96,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"zerolens {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     verify_parser(subparsers)
+    sweep_parser(subparsers)
     estimate_parser(subparsers)
     args = parser.parse_args(argv)
     try:

@@ -133,7 +133,14 @@ def run(config: VerifyConfig, device: torch.device, out: Path, command: str, pha
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
-    print("\n" + text + f"\nReport: {out / 'report.md'}\n", flush=True)
+    print("\n" + text + f"\nReport: {out / 'report.md'}", flush=True)
+    phase.name = "plotting"
+    try:
+        from .plots import verify_plots
+        paths = verify_plots(summary, out)
+        print("Plots: " + ", ".join(str(p) for p in paths) + "\n", flush=True)
+    except ImportError:
+        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
     return summary
 
 
