@@ -1,4 +1,4 @@
-"""The census of every strategy, at world sizes 2 and 3, in fp32 and bf16, equals the prediction
+"""The census of every strategy, at world sizes 1, 2 and 3, in fp32 and bf16, equals the prediction
 of theory.predict_retained byte for byte.
 
 The model's sizes are chosen so that N does not divide the parameter count (alignment padding),
@@ -56,7 +56,7 @@ def census_of_every_strategy(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["N2", "N3"])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["N1", "N2", "N3"])
 def census(request):
     return request.param, spawn(census_of_every_strategy, world_size=request.param, timeout=400)
 

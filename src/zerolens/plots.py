@@ -76,6 +76,7 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
     plt = _pyplot()
     paths = []
     strategies = list(points[0]["strategies"])
+    baseline = points[0]["baseline"]
     buckets = sorted({p["reduce_bucket_size"] for p in points})
     first_bucket = [p for p in points if p["reduce_bucket_size"] == buckets[0]]
     ns = [p["world_size"] for p in first_bucket]
@@ -86,9 +87,10 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
             ax.plot(ns, [p["strategies"][s][key] / MiB if p["strategies"][s][key] is not None else float("nan")
                          for p in first_bucket], marker="o", label=s)
         if key == "grad_bytes_after_backward":
-            base = first_bucket[0]["strategies"][strategies[0]][key] * first_bucket[0]["world_size"] / MiB
+            n0 = first_bucket[0]["world_size"]
+            base = first_bucket[0]["strategies"][baseline][key] * n0 / MiB
             ax.plot(ns, [base / n for n in ns], linestyle="--", color="gray",
-                    label=f"{strategies[0]} at N={first_bucket[0]['world_size']} x {first_bucket[0]['world_size']}/N")
+                    label=f"{baseline} at N={n0}, x {n0}/N" if n0 > 1 else f"{baseline} at N=1, x 1/N")
         ax.set_xlabel("ranks N")
         ax.set_xticks(ns)
         ax.set_ylabel(ylabel)

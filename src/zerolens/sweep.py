@@ -20,12 +20,13 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str) -> dict:
             "losses": s["losses"], "seconds": s["seconds"],
         }
     return {"world_size": summary["world_size"], "reduce_bucket_size": reduce_bucket_size,
+            "baseline": summary["baseline"],
             "device": summary["device"], "precision": summary["precision"], "verdict": summary["verdict"],
             "folder": folder, "strategies": strategies}
 
 
 def render_sweep(points: list[dict], command: str, failed: list[str]) -> str:
-    base_name = next(iter(points[0]["strategies"]))
+    base_name = points[0]["baseline"]
     rows = []
     for p in points:
         base = p["strategies"][base_name]

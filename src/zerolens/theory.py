@@ -102,8 +102,9 @@ def predict_retained(strategy: str, param_numels: list[int], world_size: int, ra
     if strategy == "zero3":  # shards, small parameters kept whole, a persistent gradient partition and bucket
         shard = stage3_shard_elements(param_numels, world_size)
         # Small parameters stay gathered after their first use, in a buffer of N padded shards.
-        persistent = sum(math.ceil(n / world_size) * world_size for n in param_numels
-                         if n <= STAGE3_PERSISTENCE_THRESHOLD)
+        # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
+        persistent = 0 if world_size == 1 else sum(math.ceil(n / world_size) * world_size for n in param_numels
+                                                   if n <= STAGE3_PERSISTENCE_THRESHOLD)
         return dict(param_bytes=e * (shard + persistent), grad_bytes_after_backward=e * shard,
                     grad_bytes_after_step=e * shard, optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
                     comm_buffer_bytes_after_backward=e * reduce_bucket_size, grad_partition_elements=shard)
