@@ -36,6 +36,12 @@ class TrainSettings:
     verbose: bool = False
 
 
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 for a classifier ((B, C) logits, (B,) labels) and a language model
+    ((B, T, V) logits, (B, T) labels) alike."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
 class Strategy(abc.ABC):
     name: str
 
@@ -104,7 +110,7 @@ class TorchDDP(Strategy):
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.settings.precision != "fp32"):
             logits = self.model(tokens.to(self.device))
-        return nn.functional.cross_entropy(logits.float(), labels.to(self.device))
+        return loss_of(logits, labels.to(self.device))
 
     def backward(self, loss):
         self.scaler.scale(loss).backward()
@@ -198,7 +204,7 @@ class DeepSpeedZero(Strategy):
 
     def forward_loss(self, tokens, labels):
         logits = self.engine(tokens.to(self.device))
-        return nn.functional.cross_entropy(logits.float(), labels.to(self.device))
+        return loss_of(logits, labels.to(self.device))
 
     def backward(self, loss):
         if self.scale_loss_ourselves:
