@@ -130,7 +130,8 @@ def verify_flags(args: argparse.Namespace) -> list[str]:
              "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping),
              "--nproc", str(args.nproc), "--out", args.out]
     for flag, value in (("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
-                        ("--lr", args.lr), ("--global-batch", args.global_batch)):
+                        ("--lr", args.lr), ("--global-batch", args.global_batch), ("--width", args.width),
+                        ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len)):
         if value is not None:
             flags += [flag, str(value)]
     return flags + (["--verbose"] if args.verbose else [])

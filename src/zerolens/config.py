@@ -19,11 +19,14 @@ from .strategies import STRATEGIES
 # AdamW's learning rate per preset. 1e-4 is the case study's. At width 1024 without warm-up it
 # pushed the loss from 2.8 to 6 within ten steps on 2xH200 (fp16), and the strategies' losses
 # then diverged; 1e-5 keeps the 130m preset stable.
-PRESET_LR = {"case-study": 1e-4, "case-study-130m": 1e-5}
+# The GPT presets use GPT-2-like rates, lower for the larger ones (no warm-up here).
+PRESET_LR = {"case-study": 1e-4, "case-study-130m": 1e-5, "gpt-tiny": 1e-3, "gpt-100m": 3e-4, "gpt-350m": 2e-4,
+             "gpt-1b": 2e-4}
 # Precision on GPU per preset: the case study's fp16, and bf16 for the larger model, where fp16's
 # dynamic loss scaling skipped different early steps under DDP, DeepSpeed without ZeRO and ZeRO,
 # so their losses parted by up to 0.7 (2xH200).
-PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16"}
+PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-tiny": "bf16", "gpt-100m": "bf16",
+                        "gpt-350m": "bf16", "gpt-1b": "bf16"}
 
 
 class UserError(ValueError):
@@ -104,6 +107,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: bf16 on cpu; on cuda fp16 (the case study's), bf16 for case-study-130m")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
                         help="the model (default: case-study, the demo's 0.53M-parameter Transformer)")
+    parser.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
+    parser.add_argument("--depth", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
+    parser.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
     parser.add_argument("--lr", type=float, default=None,
                         help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
     parser.add_argument("--steps", type=int, default=100)
@@ -119,6 +126,24 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1.0, DeepSpeed's own default)")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide)."""
+    model = PRESETS[args.preset]
+    changes = {}
+    for flag, field, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
+                               ("--heads", "num_heads", args.heads), ("--seq-len", "seq_len", args.seq_len)):
+        if value is not None:
+            if value < 1:
+                raise UserError(f"{flag} must be at least 1, got {value}")
+            changes[field] = value
+    if "d_model" in changes and model.kind == "gpt":
+        changes["ffn_dim"] = 4 * changes["d_model"]
+    try:
+        return dataclasses.replace(model, **changes)
+    except ValueError as e:
+        raise UserError(f"--preset {args.preset} with those sizes: {e}") from None
 
 
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
@@ -155,5 +180,5 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
                         gradient_clipping=args.gradient_clipping,
-                        preset=args.preset, model=PRESETS[args.preset], out=args.out, verbose=args.verbose,
+                        preset=args.preset, model=model_from_args(args), out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR[args.preset])

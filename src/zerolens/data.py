@@ -1,9 +1,17 @@
-"""A synthetic classification task with a rule the model can learn.
+"""Synthetic tasks with a rule the model can learn, one per model kind.
+
+Classifier (the case study's model):
 
 Each sample has a class c in [0, num_classes). A fraction `signal` of its tokens is drawn from
 the class's own tokens {v : v % num_classes == c}, the rest uniformly from the vocabulary.
 The label is c. Because the model mean-pools over the sequence, a bag-of-tokens rule is one it
 can represent; the case study's fresh random labels gave it nothing to learn.
+
+Language model (the GPT presets): each sequence follows a fixed successor table, a random
+permutation of the vocabulary drawn from the seed: with probability `signal` the next token is
+the successor of the current one, otherwise uniform. The model predicts every next token; the
+best achievable loss is the entropy of that rule (about 2.6 nats for a 32000-token vocabulary at
+signal 0.8, against ln(32000) = 10.4 for a uniform guess).
 
 Batches are a pure function of (seed, step): every strategy sees the same global batch at a
 step, and rank r takes rows [r * micro, (r + 1) * micro).
@@ -11,6 +19,32 @@ step, and rank r takes rows [r * micro, (r + 1) * micro).
 from __future__ import annotations
 
 import torch
+
+from .model import ModelConfig
+
+
+def make_batch(model: ModelConfig, step: int, *, seed: int, batch_size: int,
+               signal: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step` for this model's task: (tokens, labels) on the CPU."""
+    if model.kind == "gpt":
+        return lm_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,
+                        vocab_size=model.vocab_size, signal=signal)
+    return global_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,
+                        vocab_size=model.vocab_size, num_classes=model.num_classes, signal=signal)
+
+
+def lm_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int,
+             signal: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tokens (B, T), next tokens (B, T)), int64 on the CPU."""
+    successor = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    sequence = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
+    sequence[:, 0] = torch.randint(vocab_size, (batch_size,), generator=gen)
+    noise = torch.randint(vocab_size, (batch_size, seq_len), generator=gen)
+    follows = torch.rand(batch_size, seq_len, generator=gen) < signal
+    for t in range(seq_len):
+        sequence[:, t + 1] = torch.where(follows[:, t], successor[sequence[:, t]], noise[:, t])
+    return sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous()
 
 
 def global_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int,

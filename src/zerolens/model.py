@@ -1,8 +1,12 @@
-"""The case study's model: a small Transformer classifier, written for one device.
+"""The models, written for one device. Parallelism is applied from outside by a Strategy;
+nothing here knows about ranks.
 
-embedding (vocab, d_model) -> nn.TransformerEncoder (batch_first) -> mean over the sequence
--> linear head to the classes. Defaults give the case study's 0.53M parameters.
-Parallelism is applied from outside by a Strategy; nothing here knows about ranks.
+- "classifier" (the case study's): embedding (vocab, d_model) -> nn.TransformerEncoder
+  (batch_first) -> mean over the sequence -> linear head to the classes. Defaults give the case
+  study's 0.53M parameters.
+- "gpt": a GPT-style decoder for next-token prediction: token and learned position embeddings,
+  pre-norm blocks of causal self-attention (torch's scaled_dot_product_attention, which picks
+  flash attention on GPUs) and a 4x GELU MLP, a final LayerNorm and an untied output head.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    kind: str = "classifier"  # classifier | gpt
     vocab_size: int = 1000
     d_model: int = 128
     num_layers: int = 2
@@ -24,6 +29,8 @@ class ModelConfig:
     norm_first: bool = False  # nn.TransformerEncoderLayer's default (post-norm), as in the case study
 
     def __post_init__(self):
+        if self.kind not in ("classifier", "gpt"):
+            raise ValueError(f"unknown model kind {self.kind!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
 
@@ -32,10 +39,23 @@ class ModelConfig:
 # 133.5M parameters (a 32000-token vocabulary, width 1024, 8 layers), for memory that is not
 # dominated by buffers and workspaces. It normalises before each sublayer (pre-norm): post-norm at
 # this width and lr 1e-4 without warm-up jumped from loss 2.4 to 3.7 after one step on 2xH200.
+#
+# The GPT presets (vocabulary 32000, sequence 1024, MLP 4x width) are sized like GPT-2's family;
+# gpt-1b is the 937M-parameter model of the reference figures in ZERO-NOTES.md. gpt-tiny is for
+# CPU tests.
+def gpt(d_model: int, num_layers: int, num_heads: int, *, vocab_size: int = 32000, seq_len: int = 1024) -> ModelConfig:
+    return ModelConfig(kind="gpt", vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
+                       num_heads=num_heads, ffn_dim=4 * d_model, seq_len=seq_len, norm_first=True)
+
+
 PRESETS = {
     "case-study": ModelConfig(),
     "case-study-130m": ModelConfig(vocab_size=32000, d_model=1024, num_layers=8, num_heads=16, ffn_dim=4096,
                                    seq_len=128, norm_first=True),
+    "gpt-tiny": gpt(64, 2, 4, vocab_size=512, seq_len=64),  # 0.1M
+    "gpt-100m": gpt(768, 8, 12),  # 106M
+    "gpt-350m": gpt(1024, 24, 16),  # 369M
+    "gpt-1b": gpt(2048, 16, 16),  # 939M
 }
 
 
@@ -61,11 +81,81 @@ class CaseStudyModel(nn.Module):
         return self.head(x.mean(dim=1))  # (B, num_classes)
 
 
-def build_model(config: ModelConfig, seed: int) -> CaseStudyModel:
+class DecoderBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d = config.d_model
+        self.num_heads = config.num_heads
+        self.attn_norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.attn_out = nn.Linear(d, d)
+        self.mlp_norm = nn.LayerNorm(d)
+        self.mlp_in = nn.Linear(d, config.ffn_dim)
+        self.mlp_out = nn.Linear(config.ffn_dim, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.num_heads, d // self.num_heads).unbind(2)
+        attn = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          is_causal=True)  # (B, heads, T, head_dim)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_out(nn.functional.gelu(self.mlp_in(self.mlp_norm(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02), the residual projections scaled by 1/sqrt(2 * layers)
+        so that the residual stream's variance does not grow with depth; biases zero, LayerNorm
+        weights one. Every parameter is written, so the model can be built on the meta device."""
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                residual = name.endswith(("attn_out.weight", "mlp_out.weight"))
+                nn.init.normal_(p, std=0.02 / (2 * self.config.num_layers) ** 0.5 if residual else 0.02)
+            elif "norm" in name and name.endswith("weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, T, d_model)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # (B, T, vocab)
+
+
+def build_model(config: ModelConfig, seed: int) -> nn.Module:
     """The same initial weights for every strategy and rank: seeded, built on the CPU in fp32."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return CaseStudyModel(config)
+        if config.kind == "classifier":
+            return CaseStudyModel(config)
+        # Built on the meta device, then initialised once: torch's default initialisation of each
+        # layer would be thrown away, and it doubles the time to build gpt-1b on the CPU.
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        return model
+
+
+def training_flops_per_token(config: ModelConfig, params: int) -> int:
+    """Forward and backward FLOPs per token, as Megatron-LM and PaLM (appendix B) count them:
+    6 per weight that multiplies (every parameter but the embedding tables) plus 12 * layers *
+    width * sequence for attention's two matrix products, counted as if not causal. For the
+    classifier the head runs once per sample, not per token: this overcounts it slightly."""
+    embeddings = config.vocab_size * config.d_model + (config.seq_len * config.d_model if config.kind == "gpt" else 0)
+    return 6 * (params - embeddings) + 12 * config.num_layers * config.d_model * config.seq_len
 
 
 def num_params(model: nn.Module) -> int:

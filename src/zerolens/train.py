@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .data import global_batch, rank_slice
+from .data import make_batch, rank_slice
 from .measure import MemoryProbe
 from .model import ModelConfig, build_model
 from .strategies import Strategy
@@ -69,9 +69,8 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     start = time.perf_counter()
     for step in range(steps):
         phase.step = step
-        tokens, labels = global_batch(step, seed=seed, batch_size=micro_batch * world_size,
-                                      seq_len=model_config.seq_len, vocab_size=model_config.vocab_size,
-                                      num_classes=model_config.num_classes, signal=signal)
+        tokens, labels = make_batch(model_config, step, seed=seed, batch_size=micro_batch * world_size,
+                                    signal=signal)
         tokens, labels = rank_slice(tokens, labels, rank, world_size)
         record = {"strategy": strategy.name, "rank": rank, "step": step}
 
