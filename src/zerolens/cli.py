@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__, report
-from .config import UserError, add_verify_arguments, config_from_args, parse_strategies
+from .config import UserError, add_bench_arguments, add_verify_arguments, config_from_args, parse_strategies
 from .estimate import estimate, param_numels_from_factory, preset_numels, render_estimate
 from .model import PRESETS
 from .strategies import STRATEGIES
@@ -50,6 +50,12 @@ def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -> dict | None:
     """One verify run on local workers; its summary, or None when a rank failed (said on stderr)."""
+    return run_job("verify", args, verify_argv, command)
+
+
+def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: str) -> dict | None:
+    """`job` (verify or bench) on local workers; its summary.json or bench.json, or None when a rank
+    failed (said on stderr)."""
     config = config_from_args(args)
     out = new_run_folder(Path(config.out) if config.out else default_run_folder())
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
@@ -57,14 +63,30 @@ def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -
     os.environ.setdefault("DS_ACCELERATOR", config.device)
     if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
-    worker_args = [*verify_argv, "--device", config.device, "--nproc", str(config.nproc), "--out", str(out),
-                   "--fail-exit-code", "0", "--command", command]
+    worker_args = [*job_argv, "--job", job, "--device", config.device, "--nproc", str(config.nproc),
+                   "--out", str(out), "--fail-exit-code", "0", "--command", command]
     try:
         launch_local(config.nproc, worker_args, verbose=config.verbose)
     except WorkersFailed as e:
         print(f"zerolens: FAILED: {e}", file=sys.stderr)
         return None
-    return json.loads((out / "summary.json").read_text())
+    return json.loads((out / ("bench.json" if job == "bench" else "summary.json")).read_text())
+
+
+def bench_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="step time, tokens/s, MFU and peak memory of each strategy vs DDP",
+                              description="Train each strategy on the same model and data; time the steps after "
+                                          "a warm-up and report throughput, MFU and peak memory, with ratios to DDP.")
+    add_verify_arguments(p)
+    add_bench_arguments(p)
+    p.set_defaults(func=bench_command, job="bench", steps=10, strategies="ddp,zero2", preset="gpt-100m")
+
+
+def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.steps < 1:
+        raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
+    summary = run_job("bench", args, argv[1:], command=shlex.join(["zerolens", *argv]))
+    return 0 if summary is not None else 1
 
 
 def sweep_parser(subparsers) -> None:
@@ -73,6 +95,8 @@ def sweep_parser(subparsers) -> None:
                                           "--reduce-bucket-sizes value, then tabulate and plot per-rank memory.")
     add_verify_arguments(p)
     p.add_argument("--nproc-list", default="1,2", help="comma-separated world sizes (default 1,2)")
+    p.add_argument("--presets", default=None,
+                   help=f"comma-separated models, from {','.join(PRESETS)} (default: --preset)")
     p.add_argument("--reduce-bucket-sizes", default=None,
                    help="comma-separated DeepSpeed reduce_bucket_size values (default: --reduce-bucket-size)")
     p.set_defaults(func=sweep_command)
@@ -93,21 +117,26 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     ns = int_list(args.nproc_list, "--nproc-list")
     buckets = int_list(args.reduce_bucket_sizes, "--reduce-bucket-sizes") if args.reduce_bucket_sizes else \
         [int(args.reduce_bucket_size)]
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else [args.preset]
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown or not presets:
+        raise UserError(f"--presets: unknown model {unknown[0] if unknown else '(none)'}; choose from {', '.join(PRESETS)}")
     out = new_run_folder(Path(args.out) if args.out else default_run_folder())
-    for n in ns:  # every point's configuration is checked before the first one runs
-        config_from_args(argparse.Namespace(**{**vars(args), "nproc": n, "out": None}))
+    grid = [(preset, n, bucket) for preset in presets for n in ns for bucket in buckets]
+    for preset, n, _ in grid:  # every point's configuration is checked before the first one runs
+        config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "out": None}))
     points, failed = [], []
-    for n in ns:
-        for bucket in buckets:
-            point_args = argparse.Namespace(**{**vars(args), "nproc": n, "reduce_bucket_size": bucket,
-                                               "out": str(out / f"n{n}-bucket{bucket}")})
-            verify_argv = [a for a in verify_flags(point_args)]
-            print(f"zerolens sweep: N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
-            summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
-            if summary is None:
-                failed.append(f"N={n} bucket {bucket:.0e}")
-                continue
-            points.append(point_summary(summary, bucket, point_args.out))
+    for preset, n, bucket in grid:
+        folder = f"n{n}-bucket{bucket}" + (f"-{preset}" if len(presets) > 1 else "")
+        point_args = argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "reduce_bucket_size": bucket,
+                                           "out": str(out / folder)})
+        verify_argv = verify_flags(point_args)
+        print(f"zerolens sweep: {preset}, N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
+        summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
+        if summary is None:
+            failed.append(f"{preset} N={n} bucket {bucket:.0e}")
+            continue
+        points.append(point_summary(summary, bucket, point_args.out, preset))
     if not points:
         print("zerolens: every sweep point failed", file=sys.stderr)
         return 1
@@ -126,12 +155,14 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
 def verify_flags(args: argparse.Namespace) -> list[str]:
     """The verify command line for one sweep point."""
     flags = ["--strategies", args.strategies, "--preset", args.preset, "--steps", str(args.steps),
+             *(["--fused-adam"] if args.fused_adam else []),
              "--seed", str(args.seed), "--micro-batch", str(args.micro_batch),
              "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping),
              "--nproc", str(args.nproc), "--out", args.out]
     for flag, value in (("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
                         ("--lr", args.lr), ("--global-batch", args.global_batch), ("--width", args.width),
-                        ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len)):
+                        ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len),
+                        ("--ds-override", args.ds_override)):
         if value is not None:
             flags += [flag, str(value)]
     return flags + (["--verbose"] if args.verbose else [])
@@ -177,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"zerolens {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     verify_parser(subparsers)
+    bench_parser(subparsers)
     sweep_parser(subparsers)
     estimate_parser(subparsers)
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,13 @@ class VerifyConfig:
     lr: float = 1e-4
     reduce_bucket_size: int = 50_000_000
     gradient_clipping: float = 1.0  # DeepSpeed's default; DDP is clipped the same way
+    fused_adam: bool = False
+    ds_override: dict = field(default_factory=dict)
+    # zerolens bench: untimed steps first (the optimizer's states are allocated in the first);
+    # `steps` are then the timed ones. The peak FLOP/s that MFU divides by (None: looked up).
+    warmup_steps: int = 0
+    peak_tflops: float | None = None
+    job: str = "verify"  # verify | bench
     signal: float = 0.8  # fraction of class tokens in each sample (data.py)
     preset: str = "case-study"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -63,7 +71,11 @@ class VerifyConfig:
             raise UserError(f"--baseline {self.baseline} is not among --strategies {','.join(self.strategies)}")
         if self.nproc < 1:
             raise UserError(f"--nproc must be at least 1, got {self.nproc}")
-        if self.steps < 4:
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup must be 0 or more, got {self.warmup_steps}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise UserError(f"--peak-tflops must be positive, got {self.peak_tflops}")
+        if self.job == "verify" and self.steps < 4:
             raise UserError(f"--steps must be at least 4 to tell whether the loss fell, got {self.steps}")
         if not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
@@ -96,7 +108,7 @@ def parse_strategies(text: str) -> tuple[str, ...]:
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default="zero0,zero2",
-                        help=f"comma-separated, from {','.join(STRATEGIES)} (default: zero0,zero2)")
+                        help=f"comma-separated, from {','.join(STRATEGIES)} (default: %(default)s)")
     parser.add_argument("--baseline", default=None,
                         help="the strategy the others are compared with (default: zero0 if listed, else the first)")
     parser.add_argument("--nproc", type=int, default=None,
@@ -104,9 +116,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when at least 2 GPUs are visible, else cpu")
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
-                        help="default: bf16 on cpu; on cuda fp16 (the case study's), bf16 for case-study-130m")
+                        help="default: bf16 on cpu; on cuda fp16 for case-study (the case study's), else bf16")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
-                        help="the model (default: case-study, the demo's 0.53M-parameter Transformer)")
+                        help="the model (default: %(default)s; case-study is the demo's 0.53M-parameter Transformer)")
     parser.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
     parser.add_argument("--depth", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
@@ -124,8 +136,32 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient-clipping", type=float, default=1.0,
                         help="global gradient-norm clipping for every strategy; 0 turns it off "
                              "(default 1.0, DeepSpeed's own default)")
+    parser.add_argument("--fused-adam", action="store_true",
+                        help="torch's fused AdamW kernel for every strategy (default: torch's foreach AdamW)")
+    parser.add_argument("--ds-override", default=None, metavar="JSON",
+                        help="JSON merged into the DeepSpeed config zerolens writes, e.g. "
+                             "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones (default 3)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's peak dense TFLOP/s at the run's precision, for MFU "
+                             "(default: the datasheet figure for H100/H200/A100; none elsewhere)")
+
+
+def ds_override_from_json(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--ds-override is not valid JSON ({e.msg} at character {e.pos}): {text}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--ds-override must be a JSON object, got {text}")
+    return value
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -179,6 +215,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     return VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
                         precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
-                        gradient_clipping=args.gradient_clipping,
+                        gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
+                        ds_override=ds_override_from_json(args.ds_override),
+                        job=getattr(args, "job", "verify"), warmup_steps=getattr(args, "warmup", 0), peak_tflops=getattr(args, "peak_tflops", None),
                         preset=args.preset, model=model_from_args(args), out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR[args.preset])

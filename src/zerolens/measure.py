@@ -12,6 +12,7 @@ Two independent views:
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -84,7 +85,16 @@ class MemoryProbe:
 
     @contextlib.contextmanager
     def phase(self, name: str, into: dict, detailed: bool = False):
-        """Peak readings for one phase (forward, backward, step) into `into`."""
+        """Peak readings and the wall time of one phase (forward, backward, step) into `into`."""
+        start = time.perf_counter()
+        try:
+            with self._phase_memory(name, into, detailed):
+                yield
+        finally:  # CUDA: _phase_memory synchronises, so this is the phase's time on the GPU too
+            into[f"seconds_{name}"] = time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _phase_memory(self, name: str, into: dict, detailed: bool):
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

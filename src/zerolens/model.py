@@ -149,6 +149,13 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
         return model
 
 
+def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
+    """The shapes of the model's parameters, from a copy built on the meta device (no memory, no time)."""
+    with torch.device("meta"):
+        model = GPT(config) if config.kind == "gpt" else CaseStudyModel(config)
+    return [p.shape for p in model.parameters()]
+
+
 def training_flops_per_token(config: ModelConfig, params: int) -> int:
     """Forward and backward FLOPs per token, as Megatron-LM and PaLM (appendix B) count them:
     6 per weight that multiplies (every parameter but the embedding tables) plus 12 * layers *

@@ -72,42 +72,115 @@ def verify_plots(summary: dict, out: Path) -> list[Path]:
 
 def sweep_plots(points: list[dict], out: Path) -> list[Path]:
     """Gradient bytes per rank against N beside the baseline's 1/N curve; peak against N; peak
-    against the reduce bucket size where the sweep varies it; losses of the first point."""
+    against the reduce bucket size and against the model's size where the sweep varies them;
+    stacked components and step time of every point; losses of the first point."""
     plt = _pyplot()
     paths = []
     strategies = list(points[0]["strategies"])
     baseline = points[0]["baseline"]
     buckets = sorted({p["reduce_bucket_size"] for p in points})
-    first_bucket = [p for p in points if p["reduce_bucket_size"] == buckets[0]]
-    ns = [p["world_size"] for p in first_bucket]
+    presets = list(dict.fromkeys(p["preset"] for p in points))
+    by_n = [p for p in points if p["reduce_bucket_size"] == buckets[0] and p["preset"] == presets[0]]
+    ns = [p["world_size"] for p in by_n]
     for key, ylabel, name in (("grad_bytes_after_backward", "gradient MiB per rank (largest rank)", "grad_vs_n.png"),
                               ("peak_bytes", "peak MiB per rank (largest rank)", "peak_vs_n.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for s in strategies:
-            ax.plot(ns, [p["strategies"][s][key] / MiB if p["strategies"][s][key] is not None else float("nan")
-                         for p in first_bucket], marker="o", label=s)
+            ax.plot(ns, [_mib_or_nan(p["strategies"][s][key]) for p in by_n], marker="o", label=s)
         if key == "grad_bytes_after_backward":
-            n0 = first_bucket[0]["world_size"]
-            base = first_bucket[0]["strategies"][baseline][key] * n0 / MiB
+            n0 = by_n[0]["world_size"]
+            base = by_n[0]["strategies"][baseline][key] * n0 / MiB
             ax.plot(ns, [base / n for n in ns], linestyle="--", color="gray",
                     label=f"{baseline} at N={n0}, x {n0}/N" if n0 > 1 else f"{baseline} at N=1, x 1/N")
         ax.set_xlabel("ranks N")
         ax.set_xticks(ns)
         ax.set_ylabel(ylabel)
+        ax.set_title(presets[0])
         ax.legend(fontsize=8)
         paths.append(_save(fig, out / name))
-    if len(buckets) > 1:
+    n0 = ns[0]
+    for varied, key, xlabel, name in ((buckets, "reduce_bucket_size", "reduce_bucket_size (elements)", "peak_vs_bucket.png"),
+                                      (presets, "params", "parameters", "peak_vs_model_size.png")):
+        if len(varied) < 2:
+            continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        n0 = ns[0]
         for s in strategies:
-            rows = sorted((p["reduce_bucket_size"], p["strategies"][s]["peak_bytes"]) for p in points
-                          if p["world_size"] == n0 and p["strategies"][s]["peak_bytes"] is not None)
-            ax.plot([b for b, _ in rows], [v / MiB for _, v in rows], marker="o", label=s)
+            rows = sorted((p[key], p["strategies"][s]["peak_bytes"]) for p in points
+                          if p["world_size"] == n0 and p["strategies"][s]["peak_bytes"] is not None
+                          and (key == "params" or p["preset"] == presets[0])
+                          and (key == "reduce_bucket_size" or p["reduce_bucket_size"] == buckets[0]))
+            ax.plot([x for x, _ in rows], [v / MiB for _, v in rows], marker="o", label=s)
         ax.set_xscale("log")
-        ax.set_xlabel("reduce_bucket_size (elements)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(f"peak MiB per rank, N={n0}")
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out / "peak_vs_bucket.png"))
+        paths.append(_save(fig, out / name))
+    paths.append(components_plot(points, out / "components.png"))
+    paths.append(step_time_plot(points, out / "step_time.png"))
     paths.append(loss_plot({s: points[0]["strategies"][s]["losses"] for s in strategies}, out / "loss.png",
-                           f"Loss per step, N={points[0]['world_size']}"))
+                           f"Loss per step, {points[0]['preset']}, N={points[0]['world_size']}"))
     return paths
+
+
+def _mib_or_nan(value: int | None) -> float:
+    return value / MiB if value is not None else float("nan")
+
+
+def _point_label(p: dict) -> str:
+    return f"{p['preset']}\nN={p['world_size']}, bucket {p['reduce_bucket_size']:.0e}"
+
+
+def components_plot(points: list[dict], path: Path) -> Path:
+    """One panel per strategy: per-component memory of the largest rank at every sweep point, stacked."""
+    plt = _pyplot()
+    strategies = list(points[0]["strategies"])
+    fig, axes = plt.subplots(1, len(strategies), figsize=(max(7, 1.2 * len(points) * len(strategies) + 2), 4.5),
+                             squeeze=False, sharey=True)
+    for ax, s in zip(axes[0], strategies):
+        x = range(len(points))
+        bottom = [0.0] * len(points)
+        for key, label in COMPONENTS:
+            heights = [p["strategies"][s][key] / MiB for p in points]
+            ax.bar(x, heights, bottom=bottom, label=label)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(list(x), [_point_label(p) for p in points], fontsize=7)
+        ax.set_title(s)
+    axes[0][0].set_ylabel("MiB per rank (largest rank)")
+    axes[0][-1].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def step_time_plot(points: list[dict], path: Path) -> Path:
+    """Median step time of each strategy at every sweep point, grouped bars."""
+    plt = _pyplot()
+    strategies = list(points[0]["strategies"])
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(points) * len(strategies) + 2), 4.5))
+    width = 0.8 / len(strategies)
+    for i, s in enumerate(strategies):
+        times = [p["strategies"][s]["step_time_s"] for p in points]
+        ax.bar([j + i * width for j in range(len(points))], [t * 1e3 if t is not None else 0 for t in times],
+               width=width, label=s)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))], [_point_label(p) for p in points], fontsize=7)
+    ax.set_ylabel("median step time (ms), slowest rank")
+    ax.set_title("Step time (verify's measured steps; zerolens bench for throughput)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def bench_plot(summary: dict, path: Path) -> Path:
+    """Step time and peak memory per rank of each strategy, side by side."""
+    plt = _pyplot()
+    names = list(summary["strategies"])
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(names) + 4), 4))
+    time_ax.bar(names, [summary["strategies"][n]["step_time_s"] * 1e3 for n in names])
+    time_ax.set_ylabel("median step time (ms)")
+    time_ax.set_title(f"Step time, {summary['preset']}, {summary['world_size']} ranks")
+    peaks = [summary["strategies"][n]["peak_bytes"] for n in names]
+    if None not in peaks:
+        memory_ax.bar(names, [p / 2**30 for p in peaks], color="tab:orange")
+        memory_ax.set_ylabel("peak allocated per rank (GiB, largest rank)")
+        memory_ax.set_title("Peak memory")
+    else:
+        memory_ax.set_axis_off()
+        memory_ax.text(0.5, 0.5, "no allocator peak on CPU", ha="center", va="center")
+    return _save(fig, path)

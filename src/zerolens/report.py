@@ -9,6 +9,7 @@ from pathlib import Path
 from .checks import census_after_step, unexplained_bytes
 
 MiB = 1024 ** 2  # output is in MiB, 1024-based; bytes everywhere else
+GiB = 1024 ** 3
 
 
 def mib(n: int | None) -> str:

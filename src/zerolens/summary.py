@@ -1,11 +1,23 @@
 """From the per-rank results gathered on rank 0 to summary.json: figures, predictions, checks, notes."""
 from __future__ import annotations
 
+from statistics import median
+
 from .checks import (allocator_check, loss_fell, loss_matches, peak_check, prediction_check,
                      zero_gradient_checks)
 from .config import VerifyConfig
 from .report import MiB
 from .theory import ELEMENT_BYTES, RETAINED_KEYS, predict_retained
+
+
+def median_step_seconds(records: list[dict]) -> float | None:
+    """Forward + backward + step wall time (CUDA: synchronised), median over the steps between the
+    first (warm-up: the optimizer's states are allocated there) and the last (measured in detail,
+    slower). None with fewer than 3 steps."""
+    middle = records[1:-1]
+    if not middle:
+        return None
+    return median(r["seconds_forward"] + r["seconds_backward"] + r["seconds_step"] for r in middle)
 
 
 def rank_summary(rank: int, records: list[dict]) -> dict:
@@ -41,6 +53,7 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "peak_bytes": max(peaks) if peaks else None,
         "reserved_peak_bytes": max(reserved) if reserved else None,
         "peak_anatomy": last.get("peak_anatomy"),
+        "median_step_seconds": median_step_seconds(records),
         "alloc_retries": last.get("alloc_retries"),
         "ooms": last.get("ooms"),
     }

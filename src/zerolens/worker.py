@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import report
-from .config import UserError, VerifyConfig, add_verify_arguments, config_from_args
-from .model import build_model
+from .config import UserError, VerifyConfig, add_bench_arguments, add_verify_arguments, config_from_args
+from .model import build_model, parameter_shapes
 from .strategies import TrainSettings, make_strategy
 from .summary import build_summary
 from .train import Phase, train_strategy
@@ -37,6 +37,8 @@ class RankFailure(RuntimeError):
 def worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zerolens.worker", description=__doc__)
     add_verify_arguments(parser)
+    add_bench_arguments(parser)
+    parser.add_argument("--job", choices=("verify", "bench"), default="verify")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     # `zerolens verify` turns the verdict into its own exit code, so it asks for 0 here.
     parser.add_argument("--fail-exit-code", type=int, default=1, help="exit code of rank 0 on FAIL (default 1)")
@@ -93,12 +95,48 @@ def versions() -> dict:
     return out
 
 
-def run(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase) -> dict | None:
+def train_settings(config: VerifyConfig) -> TrainSettings:
+    return TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
+                         world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
+                         gradient_clipping=config.gradient_clipping, fused_adam=config.fused_adam,
+                         ds_override=config.ds_override, verbose=config.verbose)
+
+
+def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase) -> None:
+    from .bench import bench_rank, bench_summary, render_bench
     rank = dist.get_rank()
-    settings = TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
-                             world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
-                             gradient_clipping=config.gradient_clipping,
-                             verbose=config.verbose)
+    settings = train_settings(config)
+    if rank == 0:
+        report.write_json(out / "config.json", {"command": command, **config.to_json(),
+                                                "strategy_settings": {n: make_strategy(n, settings).describe()
+                                                                      for n in config.strategies}})
+        print(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
+              f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
+              f"run folder {out}", flush=True)
+    results = bench_rank(config, settings, device, phase)
+    phase.strategy, phase.step, phase.name = "-", -1, "gathering results"
+    gathered = [None] * config.nproc
+    dist.all_gather_object(gathered, results)
+    if rank != 0:
+        return
+    phase.name = "writing the report"
+    params = sum(shape.numel() for shape in parameter_shapes(config.model))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    summary = bench_summary(config, gathered, params, device_name, versions())
+    text = render_bench(summary, command)
+    report.write_json(out / "bench.json", summary)
+    report.write_atomic(out / "bench.md", text)
+    print("\n" + text + f"\nReport: {out / 'bench.md'}", flush=True)
+    try:
+        from .plots import bench_plot
+        print(f"Plot: {bench_plot(summary, out / 'bench.png')}\n", flush=True)
+    except ImportError:
+        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
+
+
+def run_verify(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase) -> dict | None:
+    rank = dist.get_rank()
+    settings = train_settings(config)
     if rank == 0:
         report.write_json(out / "config.json", {"command": command, **config.to_json(),
                                                 "strategy_settings": {n: make_strategy(n, settings).describe()
@@ -167,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(config, local_rank)
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
-        summary = run(config, device, out[0], command, phase)
+        if args.job == "bench":
+            run_bench(config, device, out[0], command, phase)
+            summary = None
+        else:
+            summary = run_verify(config, device, out[0], command, phase)
         phase.name = "shutdown"
         dist.barrier()
         dist.destroy_process_group()

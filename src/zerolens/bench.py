@@ -1,0 +1,185 @@
+"""`zerolens bench`: step time, throughput, MFU and peak memory of each strategy, on the same model
+and data, in one run.
+
+Each strategy trains `warmup + steps` steps; the timed ones are synchronised (the GPU's queue is
+drained before and after each), a step's time is the slowest rank's, and the figure is the median
+over the timed steps. Peak memory is the CUDA allocator's peak over every step, warm-up included
+(the optimizer's states appear in the first). Rank-level work (`bench_rank`) is kept apart from
+the summary (`bench_summary`) and its presentation (`render_bench`).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import time
+from statistics import median
+
+import torch
+import torch.distributed as dist
+
+from .config import VerifyConfig
+from .data import make_batch, rank_slice
+from .model import build_model, training_flops_per_token
+from .report import GiB, markdown_table
+from .strategies import Strategy, TrainSettings, make_strategy
+from .train import Phase
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the name CUDA reports.
+# H200 has H100's compute (SXM parts); fp32 runs use TF32 only if the user enables it, so none here.
+DATASHEET_PEAK_TFLOPS = {"H100": {"bf16": 989.4, "fp16": 989.4}, "H200": {"bf16": 989.4, "fp16": 989.4},
+                         "A100": {"bf16": 312.0, "fp16": 312.0}}
+
+
+def datasheet_peak(device_name: str, precision: str) -> float | None:
+    for model, peaks in DATASHEET_PEAK_TFLOPS.items():
+        if model in device_name:
+            return peaks.get(precision)
+    return None
+
+
+def bench_rank(config: VerifyConfig, settings: TrainSettings, device: torch.device, phase: Phase) -> list[dict]:
+    """This rank's step times, losses and peaks, one entry per strategy."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    total = config.warmup_steps + config.steps
+    batches = [rank_slice(*make_batch(config.model, step, seed=config.seed, batch_size=config.micro_batch * world_size,
+                                      signal=config.signal), rank, world_size) for step in range(total)]
+    progress = progress_bar(total * len(config.strategies)) if rank == 0 else contextlib.nullcontext()
+    results = []
+    with progress as bar:
+        for name in config.strategies:
+            results.append(bench_strategy(make_strategy(name, settings), config, batches, device, phase, bar))
+    return results
+
+
+def progress_bar(total: int):
+    from tqdm import tqdm
+    # disable=None: drawn on a terminal, left out of logs and pipes.
+    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None)
+
+
+def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, device: torch.device, phase: Phase,
+                   bar) -> dict:
+    cuda = device.type == "cuda"
+    phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    strategy.setup(build_model(config.model, config.seed), device)
+    setup_peak = torch.cuda.max_memory_allocated() if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(config.seed + 1 + dist.get_rank())
+    seconds, losses = [], []
+    if bar is not None:
+        bar.set_description(f"{strategy.name} (warm-up {config.warmup_steps})")
+    for step, (tokens, labels) in enumerate(batches):
+        phase.step = step
+        synchronize(device)
+        start = time.perf_counter()
+        phase.name = "forward"
+        loss = strategy.forward_loss(tokens, labels)
+        phase.name = "backward"
+        strategy.backward(loss)
+        phase.name = "step"
+        strategy.step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.detach().float())
+        if bar is not None:
+            bar.update(1)
+    phase.step, phase.name = -1, "loss all-reduce"
+    local_losses = torch.stack(losses)
+    dist.all_reduce(local_losses)
+    result = {"name": strategy.name, "seconds": seconds, "losses": (local_losses / dist.get_world_size()).tolist(),
+              "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None, "setup_peak_bytes": setup_peak,
+              "settings": strategy.describe(), "notes": strategy.notes()}
+    phase.name = "teardown"
+    del loss, losses, local_losses
+    strategy.teardown()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int, device_name: str,
+                  versions: dict) -> dict:
+    """gathered[rank][i]: rank's result for config.strategies[i]."""
+    tokens_per_step = config.micro_batch * config.nproc * config.model.seq_len
+    flops_per_token = training_flops_per_token(config.model, params)
+    peak_tflops, peak_source = config.peak_tflops, "--peak-tflops"
+    if peak_tflops is None:
+        peak_tflops = datasheet_peak(device_name, config.precision) if config.device == "cuda" else None
+        peak_source = f"NVIDIA datasheet, {device_name}, dense {config.precision}" if peak_tflops else None
+    strategies = {}
+    for i, name in enumerate(config.strategies):
+        per_rank = [gathered[r][i] for r in range(config.nproc)]
+        # A data-parallel step ends when its slowest rank does.
+        step_seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
+        step_time = median(step_seconds[config.warmup_steps:])
+        tflops = flops_per_token * tokens_per_step / config.nproc / step_time / 1e12
+        peaks = [r["peak_bytes"] for r in per_rank]
+        strategies[name] = {
+            "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
+            "warmup_step_times_s": step_seconds[:config.warmup_steps],
+            "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None,
+            "peak_bytes": max(peaks) if None not in peaks else None, "peak_bytes_per_rank": peaks,
+            "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank],
+            "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
+        }
+    for s in strategies.values():
+        ddp = strategies.get("ddp")
+        s["vs_ddp"] = None if ddp is None else {
+            "step_time": s["step_time_s"] / ddp["step_time_s"],
+            "peak_bytes": s["peak_bytes"] / ddp["peak_bytes"] if s["peak_bytes"] and ddp["peak_bytes"] else None}
+    return {"device": config.device, "device_name": device_name, "world_size": config.nproc,
+            "precision": config.precision, "preset": config.preset, "model": config.to_json()["model"],
+            "params": params, "micro_batch": config.micro_batch, "tokens_per_step": tokens_per_step,
+            "warmup_steps": config.warmup_steps, "timed_steps": config.steps,
+            "flops_per_token": flops_per_token,
+            "flop_count": "6 x (parameters - embedding tables) + 12 x layers x width x sequence per token "
+                          "(Megatron-LM / PaLM appendix B; attention counted as if not causal)",
+            "peak_tflops": peak_tflops, "peak_tflops_source": peak_source,
+            "versions": versions, "strategies": strategies}
+
+
+def render_bench(summary: dict, command: str) -> str:
+    rows = []
+    for name, s in summary["strategies"].items():
+        vs = s["vs_ddp"] or {}
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")),
+                     f"{s['tokens_per_s']:,.0f}", f"{s['tflops_per_gpu']:.1f}",
+                     "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
+                     "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
+                     f"{s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}"])
+    table = markdown_table(["strategy", "step (ms, median)", "vs ddp", "tokens/s", "TFLOP/s per rank", "MFU",
+                            "peak per rank (GiB, max)", "vs ddp", "loss"], rows)
+    mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."
+           if summary["peak_tflops"] else "No MFU: no peak FLOP/s is known for this device (give --peak-tflops).")
+    peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
+            if summary["device"] == "cuda" else
+            "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
+    notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
+    return f"""# zerolens bench
+
+Command: `{command}`
+
+{summary['preset']} ({summary['params']:,} parameters), {summary['world_size']} x {summary['device_name']},
+{summary['precision']}, micro-batch {summary['micro_batch']} per rank, {summary['tokens_per_step']:,} tokens per step.
+Step time: median of {summary['timed_steps']} synchronised steps after {summary['warmup_steps']} warm-up steps,
+each step's slowest rank. FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}. {mfu}
+{peak}
+
+{table}
+{"Notes:" + notes if notes else ""}
+"""
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
