@@ -53,7 +53,10 @@ def bench_rank(config: VerifyConfig, settings: TrainSettings, device: torch.devi
 
 
 def progress_bar(total: int):
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a progress bar is a nicety, never a reason to fail
+        return contextlib.nullcontext()
     # disable=None: drawn on a terminal, left out of logs and pipes.
     return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None)
 
