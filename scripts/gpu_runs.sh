@@ -14,6 +14,7 @@ export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "deepspeed", deepspeed.__version__)'
+  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset}"
   echo "zerolens at commit ${ZEROLENS_COMMIT:-unknown} (set by the caller: the GPU machine has no .git)"
   for spec in "$@"; do
     name=${spec%%|*}; command=${spec#*|}

@@ -21,3 +21,16 @@ def test_verify_on_two_gpus(tmp_path):
     peak_checks = [c for c in summary["checks"] if c["name"].startswith("peak ")]
     assert len(peak_checks) == 2 * 2 * 3  # 2 strategies x 2 ranks x 3 phases
     assert all(c["passed"] for c in peak_checks), [c["detail"] for c in peak_checks if not c["passed"]]
+
+
+def test_bench_on_two_gpus(tmp_path):
+    out = tmp_path / "bench"
+    result = zerolens("bench", "--preset", "gpt-tiny", "--strategies", "ddp,zero2", "--warmup", "1", "--steps", "3",
+                      "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["device"] == "cuda" and bench["memory_limit_bytes"] > 0
+    for s in bench["strategies"].values():
+        assert s["peak_bytes"] > 0 and all(p > 0 for p in s["peak_bytes_per_rank"])
+        assert (s["mfu"] is None) == (bench["peak_tflops"] is None)
+    assert bench["strategies"]["zero2"]["vs_ddp"]["peak_bytes"] > 0

@@ -1,0 +1,111 @@
+"""`zerolens maxsize`: for each strategy, the deepest model of the preset's width that trains on
+the given GPUs, found by trying.
+
+A trial is a short `zerolens bench` run (one warm-up step, which allocates the optimizer's states,
+and one timed step) at one depth; it fits unless a rank runs out of memory. The search is driven
+by measurement: two small trials give the peak's growth per layer, a straight line through them
+gives a first guess, and trials around the guess bracket the boundary, which a binary search then
+pins down. The answer is always a depth that was seen to fit, with the next depth seen to fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .model import parameter_shapes
+from .report import GiB, markdown_table
+
+# The peak per rank at a depth when it fits; None when a rank ran out of memory.
+Trial = Callable[[int], "int | None"]
+
+
+@dataclass
+class Search:
+    limit_bytes: int | None = None  # what the allocator may use per GPU, as the trials reported it
+    trials: dict[int, int | None] = field(default_factory=dict)  # depth -> peak bytes, None: out of memory
+
+    def fits(self, depth: int, trial: Trial) -> bool:
+        if depth not in self.trials:
+            self.trials[depth] = trial(depth)
+        return self.trials[depth] is not None
+
+
+def largest_fitting_depth(trial: Trial, limit_bytes: Callable[[], int], *, max_depth: int = 4096) -> Search:
+    """The search; its `trials` say what was tried. max_fitting(search) is the answer (0: not even
+    one layer fits). `limit_bytes` is asked after the first trials: the workers know the GPU."""
+    search = Search()
+    if not search.fits(1, trial):
+        return search
+    if not search.fits(2, trial):
+        return search
+    search.limit_bytes = limit_bytes()
+    per_layer = max(1, search.trials[2] - search.trials[1])
+    guess = max(1, min(max_depth, 1 + (search.limit_bytes - search.trials[1]) // per_layer))
+    # Bracket [lo fits, hi fails] around the guess, widening the step each time it is not enough.
+    step = max(1, guess // 16)
+    if search.fits(guess, trial):
+        lo = guess
+        while lo + step <= max_depth and search.fits(lo + step, trial):
+            lo, step = lo + step, 2 * step
+        hi = min(lo + step, max_depth + 1)  # max_depth + 1: not tried, the cap
+    else:
+        hi = guess
+        while hi - step >= 1 and not search.fits(hi - step, trial):
+            hi, step = hi - step, 2 * step
+        lo = max(1, hi - step)
+    while hi - lo > 1:  # lo was seen to fit; hi to fail (or is the cap)
+        mid = (lo + hi) // 2
+        if search.fits(mid, trial):
+            lo = mid
+        else:
+            hi = mid
+    return search
+
+
+def max_fitting(search: Search) -> int:
+    fitting = [d for d, peak in search.trials.items() if peak is not None]
+    return max(fitting, default=0)
+
+
+def maxsize_summary(config, searches: dict[str, Search], command: str) -> dict:
+    def params(depth: int) -> int:
+        return sum(s.numel() for s in parameter_shapes(dataclasses.replace(config.model, num_layers=depth)))
+
+    strategies = {}
+    for name, search in searches.items():
+        best = max_fitting(search)
+        strategies[name] = {
+            "max_depth": best, "params": params(best) if best else 0,
+            "peak_bytes": search.trials.get(best), "first_failing_depth": best + 1 if best + 1 in search.trials else None,
+            "trials": [{"depth": d, "params": params(d), "peak_bytes": peak, "fits": peak is not None}
+                       for d, peak in sorted(search.trials.items())]}
+    ddp = strategies.get("ddp")
+    for s in strategies.values():
+        s["params_vs_ddp"] = s["params"] / ddp["params"] if ddp and ddp["params"] else None
+    return {"command": command, "preset": config.preset, "width": config.model.d_model,
+            "micro_batch": config.micro_batch, "precision": config.precision, "world_size": config.nproc,
+            "memory_limit_bytes": next((s.limit_bytes for s in searches.values() if s.limit_bytes), None),
+            "strategies": strategies}
+
+
+def render_maxsize(summary: dict) -> str:
+    rows = [[name, s["max_depth"], f"{s['params'] / 1e9:.2f}B",
+             "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.1f}",
+             "-" if s["params_vs_ddp"] is None else f"{s['params_vs_ddp']:.2f}",
+             ", ".join(f"{t['depth']}{'' if t['fits'] else ' (OOM)'}" for t in s["trials"])]
+            for name, s in summary["strategies"].items()]
+    table = markdown_table(["strategy", "max depth", "parameters", "peak at max (GiB)", "params vs ddp",
+                            "depths tried"], rows)
+    limit = summary["memory_limit_bytes"]
+    return f"""# zerolens maxsize
+
+Command: `{summary['command']}`
+
+The deepest {summary['preset']} (width {summary['width']}) each strategy trained for two steps on
+{summary['world_size']} GPUs with {"-" if limit is None else f"{limit / GiB:.1f}"} GiB for the allocator per GPU,
+micro-batch {summary['micro_batch']}, {summary['precision']}. Each depth was tried (a short bench run);
+the next depth ran out of memory.
+
+{table}
+"""
