@@ -2,8 +2,9 @@
 of theory.predict_retained byte for byte.
 
 The model's sizes are chosen so that N does not divide the parameter count (alignment padding),
-parameters straddle partition boundaries, and one parameter is above ZeRO-3's persistence
-threshold while the others are below it.
+parameters straddle partition boundaries, one parameter is above ZeRO-3's persistence
+threshold while the others are below it, and N does not divide some parameters' dim 0 (FSDP2's
+padded shards, and ranks holding fewer rows than others).
 """
 import pytest
 import torch
@@ -18,12 +19,15 @@ from zerolens.theory import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, predict
 ODD = ModelConfig(vocab_size=5003, d_model=24, num_layers=1, num_heads=4, ffn_dim=52, num_classes=7, seq_len=8)
 BUCKET = 20_000  # elements: smaller than the model, so buckets are exercised without 100 MB buffers
 NUMELS = [p.numel() for p in build_model(ODD, seed=0).parameters()]
+SHAPES = [tuple(p.shape) for p in build_model(ODD, seed=0).parameters()]
 
 
 def test_the_model_exercises_padding_and_persistence():
     psi = sum(NUMELS)
     assert psi % 4 and psi % 6  # not a multiple of 2N for N = 2 or 3
     assert max(NUMELS) > STAGE3_PERSISTENCE_THRESHOLD > min(NUMELS)
+    for n in (2, 3):  # the embedding's 5003 rows and the head's 7 for FSDP2
+        assert any(shape[0] % n for shape in SHAPES)
 
 
 def census_of_every_strategy(rank, world_size):
@@ -67,5 +71,6 @@ def test_census_equals_prediction_byte_for_byte(census, name, precision):
     world_size, per_rank = census
     for rank in range(world_size):
         got = per_rank[rank][precision, name]
-        want = predict_retained(name, NUMELS, world_size, rank, precision, reduce_bucket_size=BUCKET)
+        want = predict_retained(name, NUMELS, world_size, rank, precision, reduce_bucket_size=BUCKET,
+                                param_shapes=SHAPES)
         assert got == {k: want[k] for k in RETAINED_KEYS}, f"rank {rank}"

@@ -6,6 +6,9 @@ ADAM = [{"filename": "/x/site-packages/torch/optim/adam.py", "line": 1, "name": 
 MODEL = [{"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
          {"filename": "/x/zerolens/model.py", "line": 9, "name": "forward"}]
 MARK = [{"filename": "/x/zerolens/peaks.py", "line": 1, "name": "trace_marker"}]
+FSDP_GATHER = [{"filename": "/x/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "line": 1,
+                "name": "foreach_all_gather"},
+               {"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}] + MODEL[1:]
 
 
 def segment(address, blocks):
@@ -86,6 +89,15 @@ def test_temporaries_are_named_by_the_innermost_known_code():
     parts = anatomy_of(segments, events, "step")["components"]
     assert parts["optimizer_transient"] == 512  # torch's Adam, though called from DeepSpeed
     assert parts["unattributed"] == 512  # model code allocating during the step: not expected
+
+
+def test_fsdp_buffers_are_fsdp_transients_named_by_fsdp_code():
+    # An all-gather output allocated by FSDP2's pre-forward hook, inside the model's forward.
+    segments = [segment(0, [{"size": 2048, "requested_size": 2048, "state": "active_allocated"}])]
+    events = [{"action": "alloc", "addr": 0, "size": 2048, "frames": FSDP_GATHER}]
+    anatomy = anatomy_of(segments, events, "forward")
+    assert anatomy["components"]["fsdp_transient"] == 2048 and anatomy["components"]["forward_transient"] == 0
+    assert anatomy["largest_transients"] == {"fsdp_transient: _fsdp_collectives.py:foreach_all_gather": 2048}
 
 
 def test_a_reused_address_is_replayed_in_order():

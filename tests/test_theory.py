@@ -66,3 +66,29 @@ def test_paper_formulas_and_estimator():
     assert [paper_model_states(psi, 4, s) for s in range(4)] == [16000, 4000 + 3000, 2000 + 3500, 4000]
     assert deepspeed_estimator(psi, 4, 2) == 2000 + 4500
     assert deepspeed_estimator(psi, 4, 1) is None
+
+
+def test_predict_fsdp2_by_hand():
+    # N=3, shapes (10, 2) and (3,): chunks of ceil(10/3)=4 rows of 2 and ceil(3/3)=1 row. Rank 2
+    # holds rows 8-9 of the first (2 of its 4 padded rows) and row 2 of the second.
+    shapes = [(10, 2), (3,)]
+    for name in ("fsdp2", "fsdp2-grad"):
+        r2 = predict_retained(name, [20, 3], 3, 2, "bf16", param_shapes=shapes)
+        assert r2["param_bytes"] == r2["grad_bytes_after_backward"] == 4 * (8 + 1)  # fp32, padded
+        assert r2["grad_partition_elements"] == 4 + 1
+        assert r2["optimizer_state_bytes"] == 8 * 5 + 4 * 2  # moments unpadded, a step counter per tensor
+        assert r2["grad_bytes_after_step"] == r2["comm_buffer_bytes_after_backward"] == 0
+
+
+def test_fsdp2_shards_follow_torch_chunk_including_ranks_with_no_rows():
+    import torch
+    from zerolens.theory import fsdp2_shard_elements
+    for shape in [(4, 3), (1, 5), (7,), (5003, 24), (2, 2, 2)]:
+        t = torch.empty(shape)
+        for n in (1, 2, 3, 4):
+            chunks = torch.chunk(t, n, dim=0)  # may be fewer than n: the last ranks get no rows
+            for rank in range(n):
+                padded, held = fsdp2_shard_elements([shape], n, rank)
+                assert padded == chunks[0].numel()
+                assert held == (chunks[rank].numel() if rank < len(chunks) else 0)
+    assert fsdp2_shard_elements([(4, 3)], 3, 2) == (6, 0)  # rows 2 + 2 + 0: rank 2 keeps only padding

@@ -34,7 +34,17 @@ def test_deepspeed_not_installed(tmp_path):
             f"sys.exit(main(['verify', '--out', {str(tmp_path / 'run')!r}]))")
     result = run([sys.executable, "-c", code], timeout=60)
     assert result.returncode == 2
-    assert result.stderr.strip() == "zerolens: DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp)"
+    assert result.stderr.strip() == "zerolens: DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp,fsdp2-grad,fsdp2)"
+
+
+def test_fsdp2_needs_no_deepspeed(monkeypatch):
+    import argparse
+    from zerolens.config import add_verify_arguments, config_from_args
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
+    parser = argparse.ArgumentParser()
+    add_verify_arguments(parser)
+    config = config_from_args(parser.parse_args(["--strategies", "ddp,fsdp2-grad,fsdp2"]), gpus_visible=0)
+    assert config.strategies == ("ddp", "fsdp2-grad", "fsdp2") and config.baseline == "ddp"
 
 
 def test_ddp_alone_needs_no_deepspeed(tmp_path):

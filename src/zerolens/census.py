@@ -75,5 +75,5 @@ def required(obj, name: str):
         return getattr(obj, name)
     except AttributeError:
         raise MeasurementError(
-            f"{type(obj).__name__} has no attribute '{name}': this DeepSpeed version keeps its "
-            "buffers elsewhere, and zerolens will not guess (see census.py)") from None
+            f"{type(obj).__name__} has no attribute '{name}': this version of {type(obj).__module__.split('.')[0]} "
+            "keeps its buffers elsewhere, and zerolens will not guess (see census.py)") from None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import __version__, report
 from .config import UserError, add_bench_arguments, add_verify_arguments, config_from_args, parse_strategies
-from .estimate import estimate, param_numels_from_factory, preset_numels, render_estimate
+from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
 from .model import PRESETS
 from .strategies import STRATEGIES
 from .launch import WorkersFailed, launch_local
@@ -192,12 +192,12 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.params is not None and args.params <= 0:
         raise UserError(f"--params must be positive, got {args.params}")
     try:
-        numels = (None if args.params is not None else
-                  param_numels_from_factory(args.model) if args.model else preset_numels(args.preset or "case-study"))
+        shapes = (None if args.params is not None else
+                  param_shapes_from_factory(args.model) if args.model else preset_shapes(args.preset or "case-study"))
     except ValueError as e:
         raise UserError(str(e)) from None
     result = estimate(strategies=strategies, world_size=args.nproc, precision=args.precision,
-                      reduce_bucket_size=int(args.reduce_bucket_size), param_numels=numels, params=args.params)
+                      reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params)
     print(json.dumps(result, indent=2) if args.json else render_estimate(result))
     return 0
 

@@ -201,7 +201,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or ("zero0" if "zero0" in strategies else strategies[0])
     if any(s.startswith("zero") for s in strategies) and importlib.util.find_spec("deepspeed") is None:
-        raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp)")
+        raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp,fsdp2-grad,fsdp2)")
     precision, note = args.precision, ""
     if precision is None:
         precision = PRESET_GPU_PRECISION[args.preset] if device == "cuda" else "bf16"

@@ -5,6 +5,7 @@ Pure computation (`estimate`) apart from presentation (`render_estimate`).
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 from torch import nn
@@ -14,11 +15,13 @@ from .strategies import STRATEGIES
 from .theory import (RETAINED_KEYS, deepspeed_estimator, paper_model_states, predict_retained,
                      transient_reduce_bucket_bytes)
 
-STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+# The ZeRO paper's stage whose formula applies. Both FSDP2 modes keep parameters, gradients and
+# optimizer states sharded between steps, as stage 3 does.
+STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2-grad": 3, "fsdp2": 3}
 
 
-def param_numels_from_factory(spec: str) -> list[int]:
-    """`module:factory` -> the sizes of the model's parameters, built on the meta device (no memory)."""
+def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
+    """`module:factory` -> the shapes of the model's parameters, built on the meta device (no memory)."""
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:
         raise ValueError(f"--model takes module:factory, got {spec!r}")
@@ -30,18 +33,19 @@ def param_numels_from_factory(spec: str) -> list[int]:
         model = factory()
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
-    return [p.numel() for p in model.parameters()]  # parameters() yields a tied weight once
+    return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied weight once
 
 
-def preset_numels(name: str) -> list[int]:
+def preset_shapes(name: str) -> list[tuple[int, ...]]:
     with torch.device("meta"):
-        return [p.numel() for p in build_model(PRESETS[name], seed=0).parameters()]
+        return [tuple(p.shape) for p in build_model(PRESETS[name], seed=0).parameters()]
 
 
 def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
-             param_numels: list[int] | None = None, params: float | None = None) -> dict:
-    """Per-strategy prediction. With parameter sizes: DeepSpeed's and DDP's real layout per rank.
-    With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients)."""
+             param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None) -> dict:
+    """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
+    rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients)."""
+    param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
     out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
            "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
@@ -49,8 +53,9 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     for name in strategies:
         stage = STAGE[name]
         entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, stage),
-                 "deepspeed_estimator_bytes": deepspeed_estimator(psi, world_size, stage,
-                                                                  max(param_numels) if param_numels else 0)}
+                 "deepspeed_estimator_bytes": (deepspeed_estimator(psi, world_size, stage,
+                                                                   max(param_numels) if param_numels else 0)
+                                               if name.startswith("zero") else None)}
         if param_numels is None:
             shard = world_size if stage == 3 else 1
             entry["paper_components"] = {
@@ -61,7 +66,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
             ranks = []
             for rank in range(world_size):
                 r = predict_retained(name, param_numels, world_size, rank, precision,
-                                     reduce_bucket_size=reduce_bucket_size)
+                                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes)
                 r = {"rank": rank, **{k: r[k] for k in RETAINED_KEYS}}
                 r["transient_reduce_bucket_bytes"] = transient_reduce_bucket_bytes(name, precision,
                                                                                    reduce_bucket_size)

@@ -11,7 +11,8 @@ replay its events to find the instant of the peak, and name each block alive at 
   strategies left (both measured elsewhere, so the rest is unattributed);
 - blocks allocated during the phase and held by nothing above are temporaries, named by the code
   that allocated them: DeepSpeed's (reduce buckets, gathered parameters, fp32 gradient copies),
-  the optimizer's, autograd's in backward (no Python frame: the gradients of activations), the
+  FSDP2's (all-gather buffers and gathered parameters, reduce-scatter inputs and outputs), the
+  optimizer's, autograd's in backward (no Python frame: the gradients of activations), the
   model's in forward.
 
 The replay's peak must equal the allocator's own peak statistic: that checks the replay.
@@ -23,10 +24,11 @@ import contextlib
 from dataclasses import dataclass, field
 
 PEAK_COMPONENTS = ("param", "grad", "optimizer_state", "comm_buffer", "activation",
-                   "deepspeed_transient", "optimizer_transient", "autograd_transient", "forward_transient",
-                   "workspace_and_earlier", "unattributed", "allocator_slack")
+                   "deepspeed_transient", "fsdp_transient", "optimizer_transient", "autograd_transient",
+                   "forward_transient", "workspace_and_earlier", "unattributed", "allocator_slack")
 # Each Python frame's file decides who allocated a block, innermost frame first.
 DEEPSPEED_PATH = "/deepspeed/"
+FSDP_PATH = "/torch/distributed/fsdp/"
 OPTIMIZER_PATHS = ("/torch/optim/", "/torch/nn/utils/clip_grad")
 MAX_ENTRIES = 2_000_000  # alloc/free events kept per phase; a phase of the 1B preset needs tens of thousands
 
@@ -93,22 +95,25 @@ def marker_positions(events: list[dict]) -> list[int]:
 
 
 def allocating_code(frames: list[dict]) -> str:
-    """file:function of the innermost frame outside torch's own modules, or of the innermost one."""
+    """file:function of the innermost frame outside torch's own modules (FSDP and the optimizer
+    count as outside), or of the innermost one."""
     for f in frames:
-        if "/torch/" not in f["filename"] or any(p in f["filename"] for p in OPTIMIZER_PATHS):
+        if "/torch/" not in f["filename"] or any(p in f["filename"] for p in (*OPTIMIZER_PATHS, FSDP_PATH)):
             return f"{f['filename'].rsplit('/', 1)[-1]}:{f['name']}"
     return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['name']}" if frames else "(no Python frame)"
 
 
 def transient_kind(block: Block, phase: str) -> str:
-    """Who made a temporary: decided by the innermost frame that is the optimizer's, DeepSpeed's or
-    outside torch (the model's code)."""
+    """Who made a temporary: decided by the innermost frame that is the optimizer's, DeepSpeed's,
+    FSDP's or outside torch (the model's code)."""
     for f in block.frames:
         name = f["filename"]
         if any(p in name for p in OPTIMIZER_PATHS):
             return "optimizer_transient"
         if DEEPSPEED_PATH in name:
             return "deepspeed_transient"
+        if FSDP_PATH in name:
+            return "fsdp_transient"
         if "/torch/" not in name:
             return "forward_transient" if phase == "forward" else "unattributed"
     # Autograd runs backward in C++ with no Python frame; elsewhere such a block (made by a

@@ -109,7 +109,8 @@ workspaces nor earlier strategies' leftovers account for.
 
 PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimizer states",
                 "comm_buffer": "comm buffers", "activation": "activations saved",
-                "deepspeed_transient": "DeepSpeed transient", "optimizer_transient": "optimizer transient",
+                "deepspeed_transient": "DeepSpeed transient", "fsdp_transient": "FSDP transient",
+                "optimizer_transient": "optimizer transient",
                 "autograd_transient": "autograd transient", "forward_transient": "forward transient",
                 "workspace_and_earlier": "cuBLAS workspace + earlier", "unattributed": "unattributed",
                 "allocator_slack": "allocator rounding"}

@@ -60,8 +60,9 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
 
 
 def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels: list[int],
-                  versions: dict) -> dict:
-    """gathered[rank] is that rank's list of per-strategy results, in config.strategies order."""
+                  versions: dict, param_shapes: list[tuple[int, ...]] | None = None) -> dict:
+    """gathered[rank] is that rank's list of per-strategy results, in config.strategies order.
+    FSDP2's predictions need the parameters' shapes as well as their sizes."""
     strategies = {}
     for i, name in enumerate(config.strategies):
         per_rank = [gathered[r][i] for r in range(config.nproc)]
@@ -76,7 +77,7 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
         }
         for r, rank in enumerate(strategies[name]["ranks"]):
             predicted = predict_retained(name, param_numels, config.nproc, r, config.precision,
-                                         reduce_bucket_size=config.reduce_bucket_size)
+                                         reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes)
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
     base = strategies[config.baseline]
     checks = []

@@ -9,6 +9,17 @@ deepspeed/runtime/zero/stage_1_and_2.py (0.19.x) so the census can be checked ag
   parameter that overlaps its slice *whole*, so it holds more than P elements when a parameter
   straddles a partition boundary;
 - the alignment padding at the tail of the last slice is a separate zero tensor of its own.
+
+FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.13, torch/distributed/fsdp/_fully_shard/) shards
+each parameter on its own, so its layout needs the parameters' shapes, not only their sizes:
+- a parameter of dim-0 size d is cut with torch.chunk into chunks of c = ceil(d / N) rows: rank r
+  holds rows [r * c, min(d, (r + 1) * c)), which is fewer than c on the last ranks and can be none;
+- every rank keeps its shard in a buffer of its own, zero-padded to c rows, and the parameter is a
+  view into it (_fsdp_param.py, FSDPParam._init_sharded_param);
+- after backward the gradients of one FSDP group are views into one flat buffer of the group's
+  padded shard sizes, in the reduce dtype cast to the weights' (fp32 here): the reduce-scatter's
+  output (_fsdp_collectives.py, foreach_reduce);
+- AdamW's moments are DTensors like the parameters; their local tensors are fresh, so unpadded.
 """
 from __future__ import annotations
 
@@ -75,12 +86,27 @@ def stage3_shard_elements(param_numels: list[int], world_size: int) -> int:
     return sum(math.ceil(n / world_size) for n in param_numels)
 
 
+def fsdp2_shard_elements(param_shapes: list[tuple[int, ...]], world_size: int, rank: int) -> tuple[int, int]:
+    """(elements of the padded shards, elements of the rank's own rows) over all parameters, as
+    FSDP2 cuts them: ceil(d / N) rows of dim 0 per rank, torch.chunk's rule."""
+    padded = held = 0
+    for shape in param_shapes:
+        if not shape:
+            raise ValueError("FSDP2 shards on dim 0: a 0-dimensional parameter cannot be sharded")
+        rows, row_elements = shape[0], math.prod(shape[1:])
+        chunk = math.ceil(rows / world_size)
+        padded += chunk * row_elements
+        held += max(0, min(chunk, rows - rank * chunk)) * row_elements
+    return padded, held
+
+
 def predict_retained(strategy: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
-                     reduce_bucket_size: int = 50_000_000) -> dict:
+                     reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None) -> dict:
     """Bytes a rank holds per component, right after backward and after the step.
 
-    The layouts are those of torch DDP (gradient_as_bucket_view=False) and DeepSpeed 0.19
-    with a torch AdamW (`torch_adam`) and contiguous_gradients (its default).
+    The layouts are those of torch DDP (gradient_as_bucket_view=False), DeepSpeed 0.19 with a
+    torch AdamW (`torch_adam`) and contiguous_gradients (its default), and FSDP2 (torch 2.13),
+    which needs `param_shapes` as well.
     """
     psi, tensors = sum(param_numels), len(param_numels)
     e = ELEMENT_BYTES[precision]
@@ -108,6 +134,14 @@ def predict_retained(strategy: str, param_numels: list[int], world_size: int, ra
         return dict(param_bytes=e * (shard + persistent), grad_bytes_after_backward=e * shard,
                     grad_bytes_after_step=e * shard, optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
                     comm_buffer_bytes_after_backward=e * reduce_bucket_size, grad_partition_elements=shard)
+    if strategy in ("fsdp2", "fsdp2-grad"):  # fp32 shards and gradients whatever the precision; the same
+        # after backward under both: reshard_after_forward only decides when the gathered copies go.
+        if param_shapes is None:
+            raise ValueError(f"{strategy}: the prediction needs the parameters' shapes (param_shapes)")
+        padded, held = fsdp2_shard_elements(param_shapes, world_size, rank)
+        return dict(param_bytes=FP32 * padded, grad_bytes_after_backward=FP32 * padded, grad_bytes_after_step=0,
+                    optimizer_state_bytes=ADAM_MOMENTS * held + STEP_COUNTER * tensors,
+                    comm_buffer_bytes_after_backward=0, grad_partition_elements=held)
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

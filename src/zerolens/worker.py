@@ -166,8 +166,9 @@ def run_verify(config: VerifyConfig, device: torch.device, out: Path, command: s
     if rank != 0:
         return None
     phase.name = "writing the report"
-    param_numels = [p.numel() for p in build_model(config.model, config.seed).parameters()]
-    summary = build_summary(config, gathered, param_numels, versions())
+    params = list(build_model(config.model, config.seed).parameters())
+    summary = build_summary(config, gathered, [p.numel() for p in params], versions(),
+                            param_shapes=[tuple(p.shape) for p in params])
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
