@@ -41,7 +41,7 @@ def largest_fitting_depth(trial: Trial, limit_bytes: Callable[[], int], *, max_d
         return search
     search.limit_bytes = limit_bytes()
     per_layer = max(1, search.trials[2] - search.trials[1])
-    guess = max(1, min(max_depth, 1 + (search.limit_bytes - search.trials[1]) // per_layer))
+    guess = int(max(1, min(max_depth, 1 + (search.limit_bytes - search.trials[1]) // per_layer)))
     # Bracket [lo fits, hi fails] around the guess, widening the step each time it is not enough.
     step = max(1, guess // 16)
     if search.fits(guess, trial):
