@@ -50,12 +50,16 @@ def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -> dict | None:
     """One verify run on local workers; its summary, or None when a rank failed (said on stderr)."""
-    return run_job("verify", args, verify_argv, command)
+    try:
+        return run_job("verify", args, verify_argv, command)
+    except WorkersFailed as e:
+        print(f"zerolens: FAILED: {e}", file=sys.stderr)
+        return None
 
 
-def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: str) -> dict | None:
-    """`job` (verify or bench) on local workers; its summary.json or bench.json, or None when a rank
-    failed (said on stderr)."""
+def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: str) -> dict:
+    """`job` (verify or bench) on local workers; its summary.json or bench.json. Raises WorkersFailed
+    when a rank failed."""
     config = config_from_args(args)
     out = new_run_folder(Path(config.out) if config.out else default_run_folder())
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
@@ -65,11 +69,7 @@ def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: st
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     worker_args = [*job_argv, "--job", job, "--device", config.device, "--nproc", str(config.nproc),
                    "--out", str(out), "--fail-exit-code", "0", "--command", command]
-    try:
-        launch_local(config.nproc, worker_args, verbose=config.verbose)
-    except WorkersFailed as e:
-        print(f"zerolens: FAILED: {e}", file=sys.stderr)
-        return None
+    launch_local(config.nproc, worker_args, verbose=config.verbose)
     return json.loads((out / ("bench.json" if job == "bench" else "summary.json")).read_text())
 
 
@@ -85,8 +85,61 @@ def bench_parser(subparsers) -> None:
 def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
-    summary = run_job("bench", args, argv[1:], command=shlex.join(["zerolens", *argv]))
-    return 0 if summary is not None else 1
+    # The workers parse verify's defaults (100 steps, zero0,zero2, case-study): bench's own
+    # defaults must reach them as explicit flags.
+    try:
+        run_job("bench", args, job_flags(args), command=shlex.join(["zerolens", *argv]))
+    except WorkersFailed as e:
+        print(f"zerolens: FAILED: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def maxsize_parser(subparsers) -> None:
+    p = subparsers.add_parser("maxsize", help="the deepest model of a preset's width each strategy can train (GPU)",
+                              description="For each strategy, search the largest --depth of the preset that trains "
+                                          "without running out of GPU memory: short bench runs, one per depth tried.")
+    add_verify_arguments(p)
+    add_bench_arguments(p)
+    p.set_defaults(func=maxsize_command, job="bench", strategies="ddp,zero2", preset="gpt-1b")
+
+
+def maxsize_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from .maxsize import largest_fitting_depth, maxsize_summary, render_maxsize
+    config = config_from_args(args)
+    if config.device != "cuda":
+        raise UserError("maxsize needs GPUs: on the CPU nothing runs out of memory (use --device cuda)")
+    out = new_run_folder(Path(args.out) if args.out else default_run_folder())
+    results, limit = {}, {}
+    for name in config.strategies:
+        def trial(depth: int, name=name) -> int | None:
+            folder = out / "trials" / f"{name}-depth{depth}"
+            trial_args = argparse.Namespace(**{**vars(args), "strategies": name, "depth": depth, "warmup": 1,
+                                               "steps": 1, "out": str(folder)})
+            flags = job_flags(trial_args) + ["--quiet"]
+            print(f"zerolens maxsize: {name}, depth {depth} ...", end=" ", flush=True)
+            try:
+                bench = run_job("bench", trial_args, flags, command=shlex.join(["zerolens", "bench", *flags]))
+            except WorkersFailed as e:
+                if "OutOfMemoryError" not in str(e) and "out of memory" not in str(e):
+                    raise
+                print("out of memory", flush=True)
+                return None
+            limit["bytes"] = bench["memory_limit_bytes"]
+            peak = bench["strategies"][name]["peak_bytes"]
+            print(f"fits, peak {peak / 2**30:.2f} GiB", flush=True)
+            return peak
+        try:
+            results[name] = largest_fitting_depth(trial, lambda: limit["bytes"])
+        except WorkersFailed as e:
+            print(f"zerolens: FAILED: {e}", file=sys.stderr)
+            return 1
+    summary = maxsize_summary(config, results, command=shlex.join(["zerolens", *argv]))
+    report.write_json(out / "maxsize.json", summary)
+    text = render_maxsize(summary)
+    report.write_atomic(out / "maxsize.md", text)
+    print("\n" + text)
+    return 0
 
 
 def sweep_parser(subparsers) -> None:
@@ -130,7 +183,7 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         folder = f"n{n}-bucket{bucket}" + (f"-{preset}" if len(presets) > 1 else "")
         point_args = argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "reduce_bucket_size": bucket,
                                            "out": str(out / folder)})
-        verify_argv = verify_flags(point_args)
+        verify_argv = job_flags(point_args)
         print(f"zerolens sweep: {preset}, N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
         summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
         if summary is None:
@@ -152,14 +205,19 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     return 0 if not failed and all(p["verdict"] == "PASS" for p in points) else 1
 
 
-def verify_flags(args: argparse.Namespace) -> list[str]:
-    """The verify command line for one sweep point."""
+def job_flags(args: argparse.Namespace) -> list[str]:
+    """The worker's command line for a verify (one sweep point) or bench run: every setting explicit."""
     flags = ["--strategies", args.strategies, "--preset", args.preset, "--steps", str(args.steps),
              *(["--fused-adam"] if args.fused_adam else []),
+             *(["--activation-checkpointing"] if args.activation_checkpointing else []),
+             *(["--compile"] if args.compile else []),
              "--seed", str(args.seed), "--micro-batch", str(args.micro_batch),
-             "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping),
-             "--nproc", str(args.nproc), "--out", args.out]
-    for flag, value in (("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
+             "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping)]
+    if getattr(args, "job", "verify") == "bench":
+        flags += ["--warmup", str(args.warmup)]
+    for flag, value in (("--nproc", args.nproc), ("--out", args.out), ("--peak-tflops", getattr(args, "peak_tflops", None)),
+                        ("--memory-limit-gib", getattr(args, "memory_limit_gib", None)),
+                        ("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
                         ("--lr", args.lr), ("--global-batch", args.global_batch), ("--width", args.width),
                         ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len),
                         ("--ds-override", args.ds_override)):
@@ -209,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     verify_parser(subparsers)
     bench_parser(subparsers)
+    maxsize_parser(subparsers)
     sweep_parser(subparsers)
     estimate_parser(subparsers)
     args = parser.parse_args(argv)

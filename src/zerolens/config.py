@@ -54,6 +54,7 @@ class VerifyConfig:
     # `steps` are then the timed ones. The peak FLOP/s that MFU divides by (None: looked up).
     warmup_steps: int = 0
     peak_tflops: float | None = None
+    memory_limit_gib: float | None = None  # CUDA: the caching allocator's cap per GPU
     job: str = "verify"  # verify | bench
     signal: float = 0.8  # fraction of class tokens in each sample (data.py)
     preset: str = "case-study"
@@ -73,6 +74,8 @@ class VerifyConfig:
             raise UserError(f"--nproc must be at least 1, got {self.nproc}")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup must be 0 or more, got {self.warmup_steps}")
+        if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
+            raise UserError(f"--memory-limit-gib must be positive, got {self.memory_limit_gib}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise UserError(f"--peak-tflops must be positive, got {self.peak_tflops}")
         if self.job == "verify" and self.steps < 4:
@@ -123,6 +126,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
     parser.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="GPT presets: recompute each block in backward instead of keeping its activations")
+    parser.add_argument("--compile", action="store_true",
+                        help="GPT presets: torch.compile each block (faster steps after a compile of about a minute)")
     parser.add_argument("--lr", type=float, default=None,
                         help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
     parser.add_argument("--steps", type=int, default=100)
@@ -150,6 +157,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak dense TFLOP/s at the run's precision, for MFU "
                              "(default: the datasheet figure for H100/H200/A100; none elsewhere)")
+    parser.add_argument("--memory-limit-gib", type=float, default=None,
+                        help="CUDA: cap the memory each rank's allocator may use, as on a smaller GPU")
 
 
 def ds_override_from_json(text: str | None) -> dict:
@@ -174,12 +183,16 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
             if value < 1:
                 raise UserError(f"{flag} must be at least 1, got {value}")
             changes[field] = value
+    if args.activation_checkpointing:
+        changes["activation_checkpointing"] = True
+    if args.compile:
+        changes["compile_blocks"] = True
     if "d_model" in changes and model.kind == "gpt":
         changes["ffn_dim"] = 4 * changes["d_model"]
     try:
         return dataclasses.replace(model, **changes)
     except ValueError as e:
-        raise UserError(f"--preset {args.preset} with those sizes: {e}") from None
+        raise UserError(f"--preset {args.preset}: {e}") from None
 
 
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
@@ -218,5 +231,6 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
                         ds_override=ds_override_from_json(args.ds_override),
                         job=getattr(args, "job", "verify"), warmup_steps=getattr(args, "warmup", 0), peak_tflops=getattr(args, "peak_tflops", None),
+                        memory_limit_gib=getattr(args, "memory_limit_gib", None),
                         preset=args.preset, model=model_from_args(args), out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR[args.preset])

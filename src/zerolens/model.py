@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -27,10 +28,18 @@ class ModelConfig:
     num_classes: int = 10
     seq_len: int = 32
     norm_first: bool = False  # nn.TransformerEncoderLayer's default (post-norm), as in the case study
+    # GPT only: keep each block's input and recompute the block in backward (torch.utils.checkpoint),
+    # trading about one more forward per step for most of the activation memory.
+    activation_checkpointing: bool = False
+    # GPT only: torch.compile each block (fuses the LayerNorms, GELU and residual adds around the
+    # matrix products); the first steps pay for the compilation.
+    compile_blocks: bool = False
 
     def __post_init__(self):
         if self.kind not in ("classifier", "gpt"):
             raise ValueError(f"unknown model kind {self.kind!r}")
+        if (self.activation_checkpointing or self.compile_blocks) and self.kind != "gpt":
+            raise ValueError("activation checkpointing and compiling are implemented for the GPT presets only")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
 
@@ -130,7 +139,10 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, T, d_model)
         for block in self.blocks:
-            x = block(x)
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.norm(x))  # (B, T, vocab)
 
 
@@ -146,7 +158,10 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
             model = GPT(config)
         model.to_empty(device="cpu")
         model.init_weights()
-        return model
+    if config.compile_blocks:
+        for block in model.blocks:
+            block.compile()  # one graph serves every block: parameters are the graph's inputs
+    return model
 
 
 def parameter_shapes(config: ModelConfig) -> list[torch.Size]:

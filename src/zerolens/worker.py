@@ -39,6 +39,7 @@ def worker_parser() -> argparse.ArgumentParser:
     add_verify_arguments(parser)
     add_bench_arguments(parser)
     parser.add_argument("--job", choices=("verify", "bench"), default="verify")
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # files only (maxsize's trials)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     # `zerolens verify` turns the verdict into its own exit code, so it asks for 0 here.
     parser.add_argument("--fail-exit-code", type=int, default=1, help="exit code of rank 0 on FAIL (default 1)")
@@ -71,6 +72,9 @@ def init_distributed(config: VerifyConfig, local_rank: int) -> torch.device:
     if config.device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        if config.memory_limit_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config.memory_limit_gib * 2**30 / total), device)
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
@@ -102,7 +106,8 @@ def train_settings(config: VerifyConfig) -> TrainSettings:
                          ds_override=config.ds_override, verbose=config.verbose)
 
 
-def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase) -> None:
+def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase,
+              quiet: bool = False) -> None:
     from .bench import bench_rank, bench_summary, render_bench
     rank = dist.get_rank()
     settings = train_settings(config)
@@ -110,6 +115,7 @@ def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: st
         report.write_json(out / "config.json", {"command": command, **config.to_json(),
                                                 "strategy_settings": {n: make_strategy(n, settings).describe()
                                                                       for n in config.strategies}})
+    if rank == 0 and not quiet:
         print(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
               f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
               f"run folder {out}", flush=True)
@@ -123,9 +129,15 @@ def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: st
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     summary = bench_summary(config, gathered, params, device_name, versions())
+    if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
+        total = torch.cuda.get_device_properties(device).total_memory
+        summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \
+            else total
     text = render_bench(summary, command)
     report.write_json(out / "bench.json", summary)
     report.write_atomic(out / "bench.md", text)
+    if quiet:
+        return
     print("\n" + text + f"\nReport: {out / 'bench.md'}", flush=True)
     try:
         from .plots import bench_plot
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
         if args.job == "bench":
-            run_bench(config, device, out[0], command, phase)
+            run_bench(config, device, out[0], command, phase, quiet=args.quiet)
             summary = None
         else:
             summary = run_verify(config, device, out[0], command, phase)
