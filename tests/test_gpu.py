@@ -34,3 +34,15 @@ def test_bench_on_two_gpus(tmp_path):
         assert s["peak_bytes"] > 0 and all(p > 0 for p in s["peak_bytes_per_rank"])
         assert (s["mfu"] is None) == (bench["peak_tflops"] is None)
     assert bench["strategies"]["zero2"]["vs_ddp"]["peak_bytes"] > 0
+
+
+def test_every_family_on_two_gpus_memory_checks(tmp_path):
+    """DDP, ZeRO-2 and both FSDP2 modes on a GPT: census = prediction, allocator = census (in whole
+    blocks) + workspaces, and every peak explained."""
+    out = tmp_path / "gpt"
+    result = zerolens("verify", "--preset", "gpt-tiny", "--strategies", "ddp,zero2,fsdp2-grad,fsdp2", "--steps", "10",
+                      "--out", str(out), timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    memory = [c for c in summary["checks"] if not c["name"].startswith("loss ")]
+    assert any(c["name"].startswith("allocator agrees") for c in memory)
+    assert all(c["passed"] for c in memory), [c["detail"] for c in memory if not c["passed"]]

@@ -104,24 +104,27 @@ def census_after_step(rank: dict) -> int:
 
 def unexplained_bytes(rank: dict) -> int:
     """CUDA: allocated after the step, less what earlier strategies left and is still allocated,
-    the census and the cuBLAS workspaces."""
+    the census, the allocator's rounding of the census's own blocks and the cuBLAS workspaces."""
     return (rank["allocated_after_step"] - (rank["leftover_bytes_at_end"] or 0) - census_after_step(rank)
-            - (rank["cublas_workspace_bytes"] or 0))
+            - (rank.get("census_block_rounding_after_step") or 0) - (rank["cublas_workspace_bytes"] or 0))
 
 
 def allocator_check(name: str, rank: dict) -> dict:
-    """CUDA: what the allocator holds between steps is what the census counted, plus the cuBLAS
-    workspaces, within 1%."""
+    """CUDA: what the allocator holds between steps is what the census counted (in whole allocator
+    blocks), plus the cuBLAS workspaces, within 1%."""
     allocated = rank["allocated_after_step"] - (rank["leftover_bytes_at_end"] or 0)
     gap = unexplained_bytes(rank)
     explained = allocated - gap
     return check(f"allocator agrees with the census ({name}, rank {rank['rank']})",
                  abs(gap) <= ALLOCATOR_TOLERANCE * allocated,
                  measured={"allocated_bytes": allocated, "unexplained_bytes": gap},
-                 expected={"census_plus_cublas_workspace_bytes": explained},
+                 expected={"census_plus_cublas_workspace_bytes": explained,
+                           "of_which_block_rounding_bytes": rank.get("census_block_rounding_after_step")},
                  tolerance=f"{ALLOCATOR_TOLERANCE:.0%} of the allocated bytes",
                  detail=f"allocator {allocated / 2**20:.2f} MiB after the step (less {((rank['leftover_bytes_at_end'] or 0) / 2**20):.2f} "
-                        f"MiB left by earlier strategies), census + cuBLAS workspaces {explained / 2**20:.2f} MiB, "
+                        f"MiB left by earlier strategies), census + cuBLAS workspaces {explained / 2**20:.2f} MiB "
+                        f"(of which {(rank.get('census_block_rounding_after_step') or 0) / 2**20:.2f} MiB allocator "
+                        f"rounding of the census's blocks), "
                         f"unexplained {gap / 2**20:+.2f} MiB")
 
 

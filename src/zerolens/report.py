@@ -64,12 +64,13 @@ def allocator_table(summary: dict) -> str | None:
             if r["allocated_after_step"] is None:
                 return None
             rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(r["leftover_bytes_at_end"]),
-                         mib(census_after_step(r)), mib(r["cublas_workspace_bytes"]), mib(unexplained_bytes(r)),
+                         mib(census_after_step(r)), mib(r.get("census_block_rounding_after_step")),
+                         mib(r["cublas_workspace_bytes"]), mib(unexplained_bytes(r)),
                          mib(r["allocated_after_backward"]), mib(r["peak_during_forward"]),
                          mib(r["peak_during_backward"]), mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"]),
                          r["alloc_retries"], r["ooms"]])
     return markdown_table(["strategy", "rank", "allocated after step", "left by earlier strategies (still allocated)",
-                           "census after step", "cuBLAS workspaces", "unexplained", "allocated after backward", "peak in forward",
+                           "census after step", "allocator rounding of census blocks", "cuBLAS workspaces", "unexplained", "allocated after backward", "peak in forward",
                            "peak in backward", "peak in step", "reserved peak", "alloc retries", "OOMs"], rows)
 
 

@@ -45,6 +45,7 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "allocated_after_backward": last.get("allocated_after_backward"),
         "allocated_after_step": last.get("allocated_after_step"),
         "cublas_workspace_bytes": last.get("cublas_workspace_bytes"),
+        "census_block_rounding_after_step": last.get("census_block_rounding_after_step"),
         "leftover_bytes_at_end": last.get("leftover_bytes_at_end"),
         "reserved_after_step": last.get("reserved_after_step"),
         "peak_during_forward": peak("peak_during_forward"),

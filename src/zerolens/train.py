@@ -100,6 +100,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
             phase.name = "census after step"
             record |= probe.census(strategy, "step")
         if last:
+            record["census_block_rounding_after_step"] = probe.census_block_rounding(strategy)
             # Clearing the cuBLAS workspaces costs a re-allocation: only once, at the end.
             record["cublas_workspace_bytes"] = probe.cublas_workspace_bytes()
             if device.type == "cuda":
