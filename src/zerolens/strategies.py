@@ -55,6 +55,20 @@ def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
+def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, clipping: float) -> bool:
+    """The optimizer step of the torch-native strategies: unscale, clip the global gradient norm as
+    DeepSpeed does, step, zero. False when the (fp16) scaler skipped the step for inf/nan
+    gradients, which is exactly when it lowers its scale."""
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    if clipping > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients
+        nn.utils.clip_grad_norm_(module.parameters(), clipping)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return scale_before is None or scaler.get_scale() >= scale_before
+
+
 class Strategy(abc.ABC):
     name: str
 
@@ -130,15 +144,7 @@ class TorchDDP(Strategy):
         self.scaler.scale(loss).backward()
 
     def step(self):
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        if self.settings.gradient_clipping > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, as DeepSpeed does
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.settings.gradient_clipping)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        # GradScaler lowers its scale exactly when it skipped the step for inf/nan gradients.
-        return scale_before is None or self.scaler.get_scale() >= scale_before
+        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
 
     def holdings(self):
         params = list(self.module.parameters())
@@ -365,15 +371,8 @@ class TorchFSDP2(Strategy):
         self.scaler.scale(loss).backward()
 
     def step(self):
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        if self.settings.gradient_clipping > 0:
-            self.scaler.unscale_(self.optimizer)
-            # The norm of DTensor gradients is reduced over the ranks: the global norm, as under DDP.
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.settings.gradient_clipping)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return scale_before is None or self.scaler.get_scale() >= scale_before
+        # The norm of DTensor gradients is reduced over the ranks: the global norm, as under DDP.
+        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
 
     def holdings(self):
         from torch.distributed.tensor import DTensor

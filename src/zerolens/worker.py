@@ -106,15 +106,20 @@ def train_settings(config: VerifyConfig) -> TrainSettings:
                          ds_override=config.ds_override, verbose=config.verbose)
 
 
+def write_config(out: Path, command: str, config: VerifyConfig, settings: TrainSettings) -> None:
+    """config.json: the command, every setting, and each backend's own settings (DeepSpeed configs)."""
+    report.write_json(out / "config.json", {"command": command, **config.to_json(),
+                                            "strategy_settings": {n: make_strategy(n, settings).describe()
+                                                                  for n in config.strategies}})
+
+
 def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase,
               quiet: bool = False) -> None:
     from .bench import bench_rank, bench_summary, render_bench
     rank = dist.get_rank()
     settings = train_settings(config)
     if rank == 0:
-        report.write_json(out / "config.json", {"command": command, **config.to_json(),
-                                                "strategy_settings": {n: make_strategy(n, settings).describe()
-                                                                      for n in config.strategies}})
+        write_config(out, command, config, settings)
     if rank == 0 and not quiet:
         print(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
               f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
@@ -150,9 +155,7 @@ def run_verify(config: VerifyConfig, device: torch.device, out: Path, command: s
     rank = dist.get_rank()
     settings = train_settings(config)
     if rank == 0:
-        report.write_json(out / "config.json", {"command": command, **config.to_json(),
-                                                "strategy_settings": {n: make_strategy(n, settings).describe()
-                                                                      for n in config.strategies}})
+        write_config(out, command, config, settings)
         if config.precision_note:
             print(f"zerolens: {config.precision_note}", flush=True)
         print(f"zerolens: {config.nproc} ranks on {config.device}, strategies {', '.join(config.strategies)}, "
