@@ -28,9 +28,13 @@ def test_default_verify_passes_and_prints_one_table(verify_run):
 
 def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     _, out = verify_run
-    for name in ("config.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md", "summary.json",
-                 "memory.png", "loss.png"):
+    for name in ("config.json", "env.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md",
+                 "summary.json", "memory.png", "loss.png"):
         assert (out / name).is_file(), name
+    env = json.loads((out / "env.json").read_text())
+    assert env["backend"] == "gloo" and env["world_size"] == 2 and env["torch"] and env["deepspeed"]
+    assert env["command"].startswith("zerolens verify") and env["torch_threads"] >= 1
+    assert {"zerolens_commit", "devices", "omp_num_threads", "python"} <= set(env)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "PASS" and summary["world_size"] == 2 and summary["device"] == "cpu"
     assert set(summary["strategies"]) == {"zero0", "zero2"}

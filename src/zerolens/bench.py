@@ -79,11 +79,11 @@ def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, devi
         phase.step = step
         synchronize(device)
         start = time.perf_counter()
-        phase.name = "forward"
+        phase.enter("forward")
         loss = strategy.forward_loss(tokens, labels)
-        phase.name = "backward"
+        phase.enter("backward")
         strategy.backward(loss)
-        phase.name = "step"
+        phase.enter("step")
         strategy.step()
         synchronize(device)
         seconds.append(time.perf_counter() - start)

@@ -5,12 +5,14 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
 from . import __version__, report
 from .config import UserError, add_bench_arguments, add_verify_arguments, config_from_args, parse_strategies
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
+from .faults import fault_from_environment
 from .model import PRESETS
 from .strategies import STRATEGIES
 from .launch import WorkersFailed, launch_local
@@ -33,9 +35,16 @@ def verify_parser(subparsers) -> None:
     p.set_defaults(func=verify_command)
 
 
-def new_run_folder(out: Path) -> Path:
+def new_run_folder(out: Path, overwrite: bool = False) -> Path:
+    """An empty run folder. An existing one is replaced only with --overwrite, and only if it is a
+    zerolens run folder (it holds config.json, env.json or sweep.json)."""
     if out.exists() and any(out.iterdir()):
-        raise UserError(f"run folder {out} already exists and is not empty; choose another --out")
+        if not overwrite:
+            raise UserError(f"run folder {out} already exists and is not empty; choose another --out, "
+                            "or replace it with --overwrite")
+        if not any((out / name).exists() for name in ("config.json", "env.json", "sweep.json", "maxsize.json")):
+            raise UserError(f"--overwrite: {out} does not look like a zerolens run folder; not deleting it")
+        shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -53,7 +62,13 @@ def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -
     try:
         return run_job("verify", args, verify_argv, command)
     except WorkersFailed as e:
+        out = Path(args.out) if args.out else None
         print(f"zerolens: FAILED: {e}", file=sys.stderr)
+        if out is not None and out.is_dir():
+            # The verdict of a run that did not finish: FAIL, with why; the ranks' logs beside it.
+            report.write_json(out / "summary.json", {"verdict": "FAIL", "failure": str(e), "command": command})
+            print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
+                  file=sys.stderr)
         return None
 
 
@@ -61,7 +76,12 @@ def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: st
     """`job` (verify or bench) on local workers; its summary.json or bench.json. Raises WorkersFailed
     when a rank failed."""
     config = config_from_args(args)
-    out = new_run_folder(Path(config.out) if config.out else default_run_folder())
+    try:
+        fault_from_environment()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    out = new_run_folder(Path(config.out) if config.out else default_run_folder(), getattr(args, "overwrite", False))
+    args.out = str(out)  # the folder the workers write to, for whoever reports a failure
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
     # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
     os.environ.setdefault("DS_ACCELERATOR", config.device)
@@ -109,7 +129,7 @@ def maxsize_command(args: argparse.Namespace, argv: list[str]) -> int:
     config = config_from_args(args)
     if config.device != "cuda":
         raise UserError("maxsize needs GPUs: on the CPU nothing runs out of memory (use --device cuda)")
-    out = new_run_folder(Path(args.out) if args.out else default_run_folder())
+    out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
     results, limit = {}, {}
     for name in config.strategies:
         def trial(depth: int, name=name) -> int | None:
@@ -174,7 +194,7 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets:
         raise UserError(f"--presets: unknown model {unknown[0] if unknown else '(none)'}; choose from {', '.join(PRESETS)}")
-    out = new_run_folder(Path(args.out) if args.out else default_run_folder())
+    out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
     grid = [(preset, n, bucket) for preset in presets for n in ns for bucket in buckets]
     for preset, n, _ in grid:  # every point's configuration is checked before the first one runs
         config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "out": None}))

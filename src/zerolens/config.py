@@ -149,6 +149,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON merged into the DeepSpeed config zerolens writes, e.g. "
                              "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --out run folder if it exists")
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
 
 

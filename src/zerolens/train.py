@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .data import make_batch, rank_slice
+from .faults import Fault, inject
 from .measure import MemoryProbe
 from .model import ModelConfig, build_model
 from .strategies import Strategy
@@ -21,6 +22,13 @@ class Phase:
     strategy: str = "-"
     step: int = -1
     name: str = "start"
+    rank: int = 0
+    fault: Fault | None = None  # ZEROLENS_FAULT, for tests of failures
+
+    def enter(self, name: str) -> None:
+        """Now in training phase `name`; where ZEROLENS_FAULT says so, fail here (faults.py)."""
+        self.name = name
+        inject(self.fault, self.rank, self.step, name)
 
     def __str__(self):
         where = self.name if self.strategy == "-" else f"{self.name} of {self.strategy}"
@@ -78,13 +86,13 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         # on CUDA, the allocator's events for the anatomy of each peak.
         last = step == steps - 1
         with probe.detailed_step(strategy) if last else contextlib.nullcontext():
-            phase.name = "forward"
+            phase.enter("forward")
             with probe.phase("forward", record, detailed=last):
                 with probe.saved_activations(strategy, into=record):
                     loss = strategy.forward_loss(tokens, labels)
             probe.note_held(strategy)
 
-            phase.name = "backward"
+            phase.enter("backward")
             with probe.phase("backward", record, detailed=last):
                 if last:  # what the strategy holds once backward has begun (e.g. reduce buckets)
                     loss.register_hook(lambda grad: probe.note_held(strategy))
@@ -93,7 +101,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
             phase.name = "census after backward"
             record |= probe.census(strategy, "backward")
 
-            phase.name = "step"
+            phase.enter("step")
             with probe.phase("step", record, detailed=last):
                 record["step_applied"] = strategy.step()
             probe.note_held(strategy)

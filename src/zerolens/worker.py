@@ -12,8 +12,12 @@ import contextlib
 import io
 import logging
 import os
+import platform
+import re
 import shlex
+import subprocess
 import sys
+import traceback
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import report
 from .config import UserError, VerifyConfig, add_bench_arguments, add_verify_arguments, config_from_args
+from .faults import fault_from_environment
 from .model import build_model, parameter_shapes
 from .strategies import TrainSettings, make_strategy
 from .summary import build_summary
@@ -97,6 +102,36 @@ def versions() -> dict:
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
     return out
+
+
+def out_of_memory_message(rank: int, phase: Phase, error: Exception) -> str:
+    """One line: where, how much was asked for (from the allocator's message), and what to try."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
+    return (f"rank {rank} ran out of GPU memory during {phase}"
+            + (f" (tried to allocate {asked.group(1)})" if asked else "")
+            + ": try a smaller --micro-batch, a smaller --reduce-bucket-size, a higher ZeRO stage or FSDP2, "
+              "or --activation-checkpointing (GPT presets)")
+
+
+def git_commit() -> str | None:
+    """The commit of the zerolens source, when it runs from a git checkout."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        result = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        if result.returncode == 0:
+            return result.stdout.strip()
+    return None
+
+
+def environment(config: VerifyConfig, command: str, device: torch.device) -> dict:
+    """env.json: what produced the run, for whoever reads its figures later."""
+    return {"command": command, "argv": sys.argv, "python": sys.version.split()[0], **versions(),
+            "backend": dist.get_backend(), "world_size": dist.get_world_size(), "device": str(device.type),
+            "devices": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                        if device.type == "cuda" else [platform.processor() or platform.machine()]),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "hostname": platform.node(),
+            "zerolens_commit": git_commit(), "zerolens_fault": os.environ.get("ZEROLENS_FAULT")}
 
 
 def train_settings(config: VerifyConfig) -> TrainSettings:
@@ -216,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries(config.verbose)
     command = args.command or shlex.join([os.path.basename(sys.executable), "-m", "zerolens.worker",
                                           *(argv if argv is not None else sys.argv[1:])])
-    phase = Phase(name="init")
+    phase = Phase(name="init", rank=rank, fault=fault_from_environment())
+    out = [None]
     try:
         device = init_distributed(config, local_rank)
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
+        if rank == 0:
+            report.write_json(out[0] / "env.json", environment(config, command, device))
         if args.job == "bench":
             run_bench(config, device, out[0], command, phase, quiet=args.quiet)
             summary = None
@@ -230,14 +268,26 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     except Exception as e:
-        raise RankFailure(f"rank {rank} failed during {phase}: {type(e).__name__}: {e}") from e
+        message = (out_of_memory_message(rank, phase, e) if isinstance(e, torch.OutOfMemoryError)
+                   else f"rank {rank} failed during {phase}: {type(e).__name__}: {e}")
+        if out[0] is not None:  # the rank's own log in the run folder, traceback included
+            (out[0] / "logs").mkdir(parents=True, exist_ok=True)
+            (out[0] / "logs" / f"rank{rank}.log").write_text(message + "\n\n" + traceback.format_exc())
+        else:  # no run folder yet: the traceback goes to the console
+            traceback.print_exc()
+        raise RankFailure(message) from e
     if summary is not None and summary["verdict"] == "FAIL":
         return args.fail_exit_code
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except RankFailure:
+        # @record has written the error for the launcher, which reports it in one line; the
+        # traceback is in this rank's log in the run folder, not on everyone's console.
+        code = 1
     # Everything is written and the process group is gone. Skip the interpreter's teardown: a C++
     # thread left by a backend has aborted it ("terminate called without an active exception",
     # seen in CPU test processes after destroy_process_group), which would turn a finished run

@@ -1,0 +1,48 @@
+"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom".
+
+At the start of phase P (forward, backward or step) of step K on rank R, of every strategy, the
+rank raises: `crash`, a RuntimeError; `oom`, torch.OutOfMemoryError with the allocator's usual
+message (so the out-of-memory report can be tested on a CPU). Unset, nothing happens.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+PHASES = ("forward", "backward", "step")
+KINDS = ("crash", "oom")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    phase: str
+    kind: str
+
+
+def parse_fault(text: str) -> Fault:
+    try:
+        fields = dict(item.split("=", 1) for item in text.split(",") if item.strip())
+        fault = Fault(rank=int(fields["rank"]), step=int(fields["step"]), phase=fields["phase"], kind=fields["kind"])
+    except (KeyError, ValueError):
+        raise ValueError(f"ZEROLENS_FAULT must look like rank=1,step=2,phase=backward,kind=crash; got {text!r}") from None
+    if fault.phase not in PHASES or fault.kind not in KINDS:
+        raise ValueError(f"ZEROLENS_FAULT: phase must be one of {', '.join(PHASES)} and kind one of "
+                         f"{', '.join(KINDS)}; got {text!r}")
+    return fault
+
+
+def fault_from_environment() -> Fault | None:
+    text = os.environ.get("ZEROLENS_FAULT")
+    return parse_fault(text) if text else None
+
+
+def inject(fault: Fault | None, rank: int, step: int, phase: str) -> None:
+    if fault is None or (fault.rank, fault.step, fault.phase) != (rank, step, phase):
+        return
+    if fault.kind == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. (injected by ZEROLENS_FAULT)")
+    raise RuntimeError("injected crash (ZEROLENS_FAULT)")

@@ -1,0 +1,58 @@
+"""How a run fails, on 2 CPU processes: a crash or an out-of-memory error on one rank (injected
+through ZEROLENS_FAULT) ends every rank, names the rank and phase, keeps that rank's log and
+marks the summary FAIL; run folders are never overwritten unless asked; the same seed gives the
+same losses."""
+import json
+import time
+
+from conftest import zerolens
+
+
+def test_a_crash_on_one_rank_ends_the_run_and_says_where(tmp_path):
+    out = tmp_path / "crash"
+    start = time.monotonic()
+    result = zerolens("verify", "--steps", "6", "--out", str(out), timeout=240,
+                      env={"ZEROLENS_FAULT": "rank=1,step=2,phase=backward,kind=crash"})
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank 1 failed during backward of zero0 at step 2: RuntimeError: injected crash" in result.stderr
+    assert "Traceback" not in result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "FAIL" and "rank 1" in summary["failure"]
+    assert "injected crash" in (out / "logs" / "rank1.log").read_text()
+    assert json.loads((out / "env.json").read_text())["zerolens_fault"].startswith("rank=1")
+    assert elapsed < 120  # start-up included; the ranks do not wait out a collective's timeout
+
+
+def test_out_of_memory_is_reported_with_a_suggestion(tmp_path):
+    result = zerolens("verify", "--steps", "6", "--out", str(tmp_path / "oom"), timeout=240,
+                      env={"ZEROLENS_FAULT": "rank=0,step=1,phase=step,kind=oom"})
+    assert result.returncode == 1
+    assert ("rank 0 ran out of GPU memory during step of zero0 at step 1 (tried to allocate 2.00 GiB): "
+            "try a smaller --micro-batch") in result.stderr
+
+
+def test_a_malformed_fault_is_a_user_error(tmp_path):
+    result = zerolens("verify", "--out", str(tmp_path / "x"), timeout=60, env={"ZEROLENS_FAULT": "rank=one"})
+    assert result.returncode == 2 and "ZEROLENS_FAULT must look like" in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_same_seed_same_losses_and_no_overwrite(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        result = zerolens("verify", "--strategies", "ddp,zero2", "--steps", "5", "--seed", "3",
+                          "--out", str(tmp_path / name), timeout=240)
+        assert result.returncode in (0, 1), result.stderr  # 5 steps may be too few for "loss fell"
+        runs.append(json.loads((tmp_path / name / "summary.json").read_text()))
+    for strategy in ("ddp", "zero2"):
+        assert runs[0]["strategies"][strategy]["losses"] == runs[1]["strategies"][strategy]["losses"]
+    # An existing run folder is kept unless --overwrite says otherwise.
+    again = zerolens("verify", "--steps", "5", "--out", str(tmp_path / "a"), timeout=60)
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    assert json.loads((tmp_path / "a" / "summary.json").read_text()) == runs[0]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a run")
+    refused = zerolens("verify", "--overwrite", "--out", str(tmp_path / "mine"), timeout=60)
+    assert refused.returncode == 2 and "does not look like a zerolens run folder" in refused.stderr
+    assert (tmp_path / "mine" / "notes.txt").exists()
