@@ -56,3 +56,16 @@ def test_same_seed_same_losses_and_no_overwrite(tmp_path):
     refused = zerolens("verify", "--overwrite", "--out", str(tmp_path / "mine"), timeout=60)
     assert refused.returncode == 2 and "does not look like a zerolens run folder" in refused.stderr
     assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_a_hang_on_one_rank_is_ended_by_the_timeout_and_named(tmp_path):
+    out = tmp_path / "hang"
+    start = time.monotonic()
+    result = zerolens("verify", "--steps", "6", "--timeout", "10", "--out", str(out), timeout=240,
+                      env={"ZEROLENS_FAULT": "rank=1,step=2,phase=backward,kind=hang"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank 1 during backward of zero0 at step 2 stopped answering" in result.stderr, result.stderr
+    assert "rank 0 during" in result.stderr and "waiting for it in a collective" in result.stderr
+    assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
+    assert "faults.py" in (out / "logs" / "stack_rank1.txt").read_text()
+    assert time.monotonic() - start < 120

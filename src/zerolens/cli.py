@@ -80,6 +80,8 @@ def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: st
         fault_from_environment()
     except ValueError as e:
         raise UserError(str(e)) from None
+    if getattr(args, "timeout", None) is not None and not args.timeout > 0:
+        raise UserError(f"--timeout must be positive (seconds), got {args.timeout}")
     out = new_run_folder(Path(config.out) if config.out else default_run_folder(), getattr(args, "overwrite", False))
     args.out = str(out)  # the folder the workers write to, for whoever reports a failure
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
@@ -89,7 +91,8 @@ def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: st
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     worker_args = [*job_argv, "--job", job, "--device", config.device, "--nproc", str(config.nproc),
                    "--out", str(out), "--fail-exit-code", "0", "--command", command]
-    launch_local(config.nproc, worker_args, verbose=config.verbose)
+    launch_local(config.nproc, worker_args, verbose=config.verbose, logs=out / "logs",
+                 timeout=getattr(args, "timeout", None))
     return json.loads((out / ("bench.json" if job == "bench" else "summary.json")).read_text())
 
 

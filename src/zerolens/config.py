@@ -150,6 +150,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --out run folder if it exists")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="end the run when no rank makes progress for this many seconds (default 900; "
+                             "a rank that stopped answering is named)")
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
 
 

@@ -1,18 +1,20 @@
-"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom".
+"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom|hang".
 
 At the start of phase P (forward, backward or step) of step K on rank R, of every strategy, the
-rank raises: `crash`, a RuntimeError; `oom`, torch.OutOfMemoryError with the allocator's usual
-message (so the out-of-memory report can be tested on a CPU). Unset, nothing happens.
+rank raises (`crash`: a RuntimeError; `oom`: torch.OutOfMemoryError with the allocator's usual
+message, so that the out-of-memory report can be tested on a CPU) or stops answering (`hang`:
+sleeps until killed). Unset, nothing happens.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 PHASES = ("forward", "backward", "step")
-KINDS = ("crash", "oom")
+KINDS = ("crash", "oom", "hang")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ def fault_from_environment() -> Fault | None:
 def inject(fault: Fault | None, rank: int, step: int, phase: str) -> None:
     if fault is None or (fault.rank, fault.step, fault.phase) != (rank, step, phase):
         return
+    if fault.kind == "hang":
+        while True:
+            time.sleep(1)
     if fault.kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. (injected by ZEROLENS_FAULT)")
     raise RuntimeError("injected crash (ZEROLENS_FAULT)")

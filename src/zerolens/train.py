@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,14 @@ class Phase:
     name: str = "start"
     rank: int = 0
     fault: Fault | None = None  # ZEROLENS_FAULT, for tests of failures
+    # Where the rank says how far it got, for the launcher's hang watchdog (launch.py): rewritten
+    # whenever the strategy, step or phase changes.
+    heartbeat: Path | None = None
+
+    def __setattr__(self, key, value):
+        super().__setattr__(key, value)
+        if key in ("strategy", "step", "name") and getattr(self, "heartbeat", None) is not None:
+            write_heartbeat(self.heartbeat, str(self))
 
     def enter(self, name: str) -> None:
         """Now in training phase `name`; where ZEROLENS_FAULT says so, fail here (faults.py)."""
@@ -33,6 +44,12 @@ class Phase:
     def __str__(self):
         where = self.name if self.strategy == "-" else f"{self.name} of {self.strategy}"
         return where if self.step < 0 else f"{where} at step {self.step}"
+
+
+def write_heartbeat(path: Path, where: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"where": where, "time": time.time(), "pid": os.getpid()}))
+    tmp.replace(path)  # the watchdog never reads half a file
 
 
 @dataclass

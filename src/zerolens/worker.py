@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import io
 import logging
 import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import traceback
@@ -102,6 +104,18 @@ def versions() -> dict:
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
     return out
+
+
+def watch_for_hangs(logs: Path, rank: int, phase: Phase):
+    """What the launcher's hang watchdog (launch.py) reads: this rank's heartbeat, rewritten at
+    every change of phase, and its Python stack, dumped on SIGUSR1 (faulthandler works even while
+    the rank is blocked in a collective). Returns the open stack file, which must stay open."""
+    logs.mkdir(parents=True, exist_ok=True)
+    stack_file = open(logs / f"stack_rank{rank}.txt", "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    phase.heartbeat = logs / f"heartbeat_rank{rank}.json"
+    return stack_file
 
 
 def out_of_memory_message(rank: int, phase: Phase, error: Exception) -> str:
@@ -257,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(config, local_rank)
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
+        stack_file = watch_for_hangs(out[0] / "logs", rank, phase)
         if rank == 0:
             report.write_json(out[0] / "env.json", environment(config, command, device))
         if args.job == "bench":
