@@ -34,7 +34,14 @@ def test_bench_writes_json_table_and_plot(bench_run):
         assert s["peak_bytes"] is None  # no allocator on CPU: said, not made up
         assert set(s["vs_ddp"]) == {"step_time", "peak_bytes"}
         assert len(s["losses"]) == 11
-    assert bench["strategies"]["ddp"]["vs_ddp"]["step_time"] == 1.0
+    # TFLOP/s from the model's own FLOP count, recomputed here.
+    config = PRESETS["gpt-tiny"]
+    flops = training_flops_per_token(config, num_params(build_model(config, 0)))
+    assert bench["flops_per_token"] == flops
+    for s in bench["strategies"].values():
+        assert s["tflops_per_gpu"] == pytest.approx(flops * bench["tokens_per_step"] / 2 / s["step_time_s"] / 1e12)
+    zero2, ddp = bench["strategies"]["zero2"], bench["strategies"]["ddp"]
+    assert zero2["vs_ddp"]["step_time"] == pytest.approx(zero2["step_time_s"] / ddp["step_time_s"])
     # Same model, data and seed: the two strategies' losses agree (bf16).
     assert max(abs(a - b) for a, b in zip(bench["strategies"]["ddp"]["losses"],
                                           bench["strategies"]["zero2"]["losses"])) < 0.05
@@ -78,3 +85,29 @@ def test_datasheet_peaks():
     assert datasheet_peak("NVIDIA H200", "bf16") == 989.4
     assert datasheet_peak("NVIDIA H200", "fp32") is None
     assert datasheet_peak("Some GPU", "bf16") is None
+    assert datasheet_peak("NVIDIA H100 NVL", "bf16") is None  # not the SXM part: no guess
+
+
+def test_every_bench_flag_reaches_the_workers():
+    """The workers re-parse the command line cli.job_flags builds: the configuration must be the
+    one the CLI resolved, whatever the flags."""
+    import argparse
+    from zerolens.cli import ArgumentParser, bench_parser, job_flags
+    from zerolens.config import config_from_args
+    from zerolens.worker import worker_parser
+    parser = ArgumentParser(prog="zerolens")
+    bench_parser(parser.add_subparsers(dest="command"))
+    argv = ["bench", "--preset", "gpt-tiny", "--strategies", "ddp,fsdp2", "--nproc", "3", "--device", "cpu",
+            "--precision", "fp32", "--width", "32", "--depth", "3", "--heads", "2", "--seq-len", "16",
+            "--activation-checkpointing", "--lr", "0.01", "--seed", "5", "--micro-batch", "2",
+            "--reduce-bucket-size", "1e6", "--gradient-clipping", "0.5", "--fused-adam",
+            "--ds-override", '{"zero_optimization":{"overlap_comm":true}}', "--warmup", "2", "--steps", "7",
+            "--peak-tflops", "10", "--memory-limit-gib", "4", "--out", "/tmp/x"]
+    args = parser.parse_args(argv)
+    cli_config = config_from_args(args)
+    worker_args = worker_parser().parse_args(job_flags(args) + ["--job", "bench"])
+    assert config_from_args(worker_args, world_size=3) == cli_config
+    defaults = parser.parse_args(["bench", "--device", "cpu"])
+    worker_defaults = worker_parser().parse_args(job_flags(defaults) + ["--job", "bench"])
+    assert config_from_args(worker_defaults, world_size=2) == config_from_args(defaults)
+    assert config_from_args(defaults).warmup_steps == 3 and config_from_args(defaults).steps == 10

@@ -32,7 +32,8 @@ def test_bench_on_two_gpus(tmp_path):
     assert bench["device"] == "cuda" and bench["memory_limit_bytes"] > 0
     for s in bench["strategies"].values():
         assert s["peak_bytes"] > 0 and all(p > 0 for p in s["peak_bytes_per_rank"])
-        assert (s["mfu"] is None) == (bench["peak_tflops"] is None)
+        if bench["peak_tflops"] is not None:  # a GPU with a datasheet figure (H100/H200/A100 SXM)
+            assert 0 < s["mfu"] < 1
     assert bench["strategies"]["zero2"]["vs_ddp"]["peak_bytes"] > 0
 
 

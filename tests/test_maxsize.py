@@ -38,6 +38,18 @@ def test_a_guess_that_is_far_off_still_ends_at_the_boundary():
     assert max_fitting(search) == 21 and search.trials[22] is None
 
 
+def test_a_flat_start_does_not_jump_to_a_huge_model():
+    # Depths 1 and 2 peak the same: the straight line is flat and would point at the cap.
+    tried = []
+
+    def trial(depth):
+        tried.append(depth)
+        peak = 100 if depth <= 2 else 100 + 10 * depth
+        return peak if peak <= 3000 else None
+    search = largest_fitting_depth(trial, lambda: 3000)
+    assert max_fitting(search) == 290 and max(tried) <= 2 * 290
+
+
 def test_nothing_fits_and_everything_fits():
     assert max_fitting(largest_fitting_depth(lambda d: None, lambda: 100)) == 0
     search = largest_fitting_depth(lambda d: d, lambda: 10**9, max_depth=64)

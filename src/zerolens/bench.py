@@ -25,17 +25,19 @@ from .report import GiB, markdown_table
 from .strategies import Strategy, TrainSettings, make_strategy
 from .train import Phase
 
-# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the name CUDA reports.
-# H200 has H100's compute (SXM parts); fp32 runs use TF32 only if the user enables it, so none here.
-DATASHEET_PEAK_TFLOPS = {"H100": {"bf16": 989.4, "fp16": 989.4}, "H200": {"bf16": 989.4, "fp16": 989.4},
-                         "A100": {"bf16": 312.0, "fp16": 312.0}}
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
+# reports. PCIe and NVL parts are slower than SXM: an unknown name gets no MFU (use --peak-tflops).
+DATASHEET_PEAK_TFLOPS = {
+    "NVIDIA H200": {"bf16": 989.4, "fp16": 989.4},  # SXM
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.4, "fp16": 989.4},  # SXM
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp16": 312.0},
+    "NVIDIA A100-SXM4-40GB": {"bf16": 312.0, "fp16": 312.0},
+}
 
 
 def datasheet_peak(device_name: str, precision: str) -> float | None:
-    for model, peaks in DATASHEET_PEAK_TFLOPS.items():
-        if model in device_name:
-            return peaks.get(precision)
-    return None
+    return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
 def bench_rank(config: VerifyConfig, settings: TrainSettings, device: torch.device, phase: Phase) -> list[dict]:
@@ -65,6 +67,9 @@ def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, devi
                    bar) -> dict:
     cuda = device.type == "cuda"
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
+    # What earlier strategies left allocated (DDP's buckets outlive it for a while: see train.py).
+    # It is inside this strategy's peak; bench.json says how much, and the table gives the bound.
+    allocated_at_start = torch.cuda.memory_allocated() if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     strategy.setup(build_model(config.model, config.seed), device)
@@ -95,6 +100,7 @@ def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, devi
     dist.all_reduce(local_losses)
     result = {"name": strategy.name, "seconds": seconds, "losses": (local_losses / dist.get_world_size()).tolist(),
               "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None, "setup_peak_bytes": setup_peak,
+              "allocated_at_start_bytes": allocated_at_start,
               "settings": strategy.describe(), "notes": strategy.notes()}
     phase.name = "teardown"
     del loss, losses, local_losses
@@ -134,6 +140,11 @@ def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int,
             "mfu": tflops / peak_tflops if peak_tflops else None,
             "peak_bytes": max(peaks) if None not in peaks else None, "peak_bytes_per_rank": peaks,
             "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank],
+            # Allocated before setup, left by the strategies run earlier in this process: part of
+            # peak_bytes as long as it stays allocated. peak - this is a lower bound of the peak.
+            "allocated_at_start_bytes_per_rank": [r["allocated_at_start_bytes"] for r in per_rank],
+            "peak_bytes_lower_bound": (max(r["peak_bytes"] - r["allocated_at_start_bytes"] for r in per_rank)
+                                       if None not in peaks else None),
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
         }
     for s in strategies.values():
@@ -169,6 +180,12 @@ def render_bench(summary: dict, command: str) -> str:
             if summary["device"] == "cuda" else
             "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
     notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
+    for name, s in summary["strategies"].items():
+        left = [b or 0 for b in s["allocated_at_start_bytes_per_rank"]]
+        if max(left) > 0:
+            notes += (f"\n- {name}: started with {max(left) / GiB:.2f} GiB still allocated by earlier strategies "
+                      f"(largest rank), inside its peak while it stays allocated; its peak without it is at least "
+                      f"{s['peak_bytes_lower_bound'] / GiB:.2f} GiB. Run it first for a clean figure.")
     return f"""# zerolens bench
 
 Command: `{command}`

@@ -16,7 +16,7 @@ from .faults import fault_from_environment
 from .model import PRESETS
 from .strategies import STRATEGIES
 from .launch import WorkersFailed, launch_local
-from .worker import default_run_folder
+from .worker import OUT_OF_MEMORY, default_run_folder
 
 
 USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
@@ -106,6 +106,8 @@ def bench_parser(subparsers) -> None:
 
 
 def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.baseline is not None:
+        raise UserError("bench compares every strategy with ddp; --baseline is for verify")
     if args.steps < 1:
         raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
     # The workers parse verify's defaults (100 steps, zero0,zero2, case-study): bench's own
@@ -144,7 +146,7 @@ def maxsize_command(args: argparse.Namespace, argv: list[str]) -> int:
             try:
                 bench = run_job("bench", trial_args, flags, command=shlex.join(["zerolens", "bench", *flags]))
             except WorkersFailed as e:
-                if "OutOfMemoryError" not in str(e) and "out of memory" not in str(e):
+                if OUT_OF_MEMORY not in str(e):
                     raise
                 print("out of memory", flush=True)
                 return None
@@ -156,6 +158,9 @@ def maxsize_command(args: argparse.Namespace, argv: list[str]) -> int:
             results[name] = largest_fitting_depth(trial, lambda: limit["bytes"])
         except WorkersFailed as e:
             print(f"zerolens: FAILED: {e}", file=sys.stderr)
+            # What the strategies before it found is kept.
+            summary = maxsize_summary(config, results, command=shlex.join(["zerolens", *argv]))
+            report.write_json(out / "maxsize.json", summary | {"failure": f"{name}: {e}"})
             return 1
     summary = maxsize_summary(config, results, command=shlex.join(["zerolens", *argv]))
     report.write_json(out / "maxsize.json", summary)
@@ -237,7 +242,7 @@ def job_flags(args: argparse.Namespace) -> list[str]:
              "--seed", str(args.seed), "--micro-batch", str(args.micro_batch),
              "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping)]
     if getattr(args, "job", "verify") == "bench":
-        flags += ["--warmup", str(args.warmup)]
+        flags += ["--warmup", str(args.warmup if args.warmup is not None else 3)]
     for flag, value in (("--nproc", args.nproc), ("--out", args.out), ("--peak-tflops", getattr(args, "peak_tflops", None)),
                         ("--memory-limit-gib", getattr(args, "memory_limit_gib", None)),
                         ("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
@@ -277,8 +282,11 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
                   param_shapes_from_factory(args.model) if args.model else preset_shapes(args.preset or "case-study"))
     except ValueError as e:
         raise UserError(str(e)) from None
-    result = estimate(strategies=strategies, world_size=args.nproc, precision=args.precision,
-                      reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params)
+    try:
+        result = estimate(strategies=strategies, world_size=args.nproc, precision=args.precision,
+                          reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params)
+    except ValueError as e:  # e.g. a model FSDP2 cannot shard
+        raise UserError(str(e)) from None
     print(json.dumps(result, indent=2) if args.json else render_estimate(result))
     return 0
 

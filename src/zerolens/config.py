@@ -157,7 +157,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones (default 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 3)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak dense TFLOP/s at the run's precision, for MFU "
                              "(default: the datasheet figure for H100/H200/A100; none elsewhere)")
@@ -224,6 +224,9 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         precision = PRESET_GPU_PRECISION[args.preset] if device == "cuda" else "bf16"
         if device == "cpu":
             note = "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case study's fp16"
+    job = getattr(args, "job", "verify")
+    # verify has no warm-up; bench's default is 3 untimed steps.
+    warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
     micro_batch = args.micro_batch
     if args.global_batch is not None:
         if args.global_batch % nproc:
@@ -234,7 +237,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
                         gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
                         ds_override=ds_override_from_json(args.ds_override),
-                        job=getattr(args, "job", "verify"), warmup_steps=getattr(args, "warmup", 0), peak_tflops=getattr(args, "peak_tflops", None),
+                        job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
                         memory_limit_gib=getattr(args, "memory_limit_gib", None),
                         preset=args.preset, model=model_from_args(args), out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR[args.preset])

@@ -16,6 +16,8 @@ from typing import Callable
 from .model import parameter_shapes
 from .report import GiB, markdown_table
 
+FIRST_GUESS_CAP = 128
+
 # The peak per rank at a depth when it fits; None when a rank ran out of memory.
 Trial = Callable[[int], "int | None"]
 
@@ -41,7 +43,9 @@ def largest_fitting_depth(trial: Trial, limit_bytes: Callable[[], int], *, max_d
         return search
     search.limit_bytes = limit_bytes()
     per_layer = max(1, search.trials[2] - search.trials[1])
-    guess = int(max(1, min(max_depth, 1 + (search.limit_bytes - search.trials[1]) // per_layer)))
+    # Capped: when depth 2 barely grew the peak, the line points far away, and a model that deep
+    # could exhaust the host's memory while it is built; the bracket below widens as needed.
+    guess = int(max(1, min(max_depth, FIRST_GUESS_CAP, 1 + (search.limit_bytes - search.trials[1]) // per_layer)))
     # Bracket [lo fits, hi fails] around the guess, widening the step each time it is not enough.
     step = max(1, guess // 16)
     if search.fits(guess, trial):

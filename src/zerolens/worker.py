@@ -118,10 +118,13 @@ def watch_for_hangs(logs: Path, rank: int, phase: Phase):
     return stack_file
 
 
+OUT_OF_MEMORY = "ran out of GPU memory"  # what `zerolens maxsize` looks for in a failed trial
+
+
 def out_of_memory_message(rank: int, phase: Phase, error: Exception) -> str:
     """One line: where, how much was asked for (from the allocator's message), and what to try."""
     asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
-    return (f"rank {rank} ran out of GPU memory during {phase}"
+    return (f"rank {rank} {OUT_OF_MEMORY} during {phase}"
             + (f" (tried to allocate {asked.group(1)})" if asked else "")
             + ": try a smaller --micro-batch, a smaller --reduce-bucket-size, a higher ZeRO stage or FSDP2, "
               "or --activation-checkpointing (GPT presets)")
