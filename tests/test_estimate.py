@@ -52,3 +52,9 @@ def test_unknown_model_path_is_a_user_error():
     result = zerolens("estimate", "--model", "no_such_module:factory", timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("zerolens: cannot load no_such_module:factory")
+
+
+def test_a_model_fsdp2_cannot_shard_is_a_user_error(capsys):
+    assert main(["estimate", "--model", "zerolens_test_models:with_a_scalar", "--strategies", "fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert "0-dimensional parameter cannot be sharded" in err and len(err.strip().splitlines()) == 1
