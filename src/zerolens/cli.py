@@ -248,7 +248,7 @@ def job_flags(args: argparse.Namespace) -> list[str]:
                         ("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
                         ("--lr", args.lr), ("--global-batch", args.global_batch), ("--width", args.width),
                         ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len),
-                        ("--ds-override", args.ds_override)):
+                        ("--ds-override", args.ds_override), ("--ds-config", args.ds_config)):
         if value is not None:
             flags += [flag, str(value)]
     return flags + (["--verbose"] if args.verbose else [])

@@ -50,6 +50,8 @@ class VerifyConfig:
     gradient_clipping: float = 1.0  # DeepSpeed's default; DDP is clipped the same way
     fused_adam: bool = False
     ds_override: dict = field(default_factory=dict)
+    ds_config: dict = field(default_factory=dict)  # --ds-config FILE, as read
+    ds_config_path: str | None = None
     # zerolens bench: untimed steps first (the optimizer's states are allocated in the first);
     # `steps` are then the timed ones. The peak FLOP/s that MFU divides by (None: looked up).
     warmup_steps: int = 0
@@ -90,6 +92,9 @@ class VerifyConfig:
             raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.precision not in ("fp16", "bf16", "fp32"):
             raise UserError(f"--precision must be fp16, bf16 or fp32, got {self.precision!r}")
+        if self.ds_config:
+            check_user_ds_config(self.ds_config, self.ds_config_path, micro_batch=self.micro_batch,
+                                 world_size=self.nproc, precision=self.precision)
         if self.device == "cpu" and self.precision == "fp16":
             raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): "
                             "use --precision bf16 or fp32, or --device cuda")
@@ -145,6 +150,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1.0, DeepSpeed's own default)")
     parser.add_argument("--fused-adam", action="store_true",
                         help="torch's fused AdamW kernel for every strategy (default: torch's foreach AdamW)")
+    parser.add_argument("--ds-config", default=None, metavar="FILE",
+                        help="your DeepSpeed JSON config for the zero strategies; \"auto\" values are filled from "
+                             "zerolens's settings, the stage comes from the strategy")
     parser.add_argument("--ds-override", default=None, metavar="JSON",
                         help="JSON merged into the DeepSpeed config zerolens writes, e.g. "
                              "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
@@ -163,6 +171,50 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the datasheet figure for H100/H200/A100; none elsewhere)")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
                         help="CUDA: cap the memory each rank's allocator may use, as on a smaller GPU")
+
+
+def ds_config_from_file(path: str | None) -> dict:
+    """--ds-config FILE: a JSON object, or one line saying why not."""
+    if path is None:
+        return {}
+    try:
+        text = open(path).read()
+    except OSError as e:
+        raise UserError(f"--ds-config {path}: cannot read it ({e.strerror})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--ds-config {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--ds-config {path} must hold a JSON object")
+    return value
+
+
+def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, world_size: int, precision: str) -> None:
+    """The batch arithmetic and precision of a user's DeepSpeed config must agree with the run's:
+    zerolens feeds every rank `micro_batch` samples per step, without gradient accumulation."""
+    def explicit(key, section=None):
+        value = (user.get(section) or {}).get(key) if section else user.get(key)
+        return None if value in (None, "auto") else value
+
+    accumulation = explicit("gradient_accumulation_steps") or 1
+    micro = explicit("train_micro_batch_size_per_gpu") or micro_batch
+    total = explicit("train_batch_size")
+    if accumulation != 1:
+        raise UserError(f"--ds-config {path}: gradient_accumulation_steps {accumulation}, but zerolens steps without "
+                        "accumulation: set it to 1 or \"auto\"")
+    if micro != micro_batch:
+        raise UserError(f"--ds-config {path}: train_micro_batch_size_per_gpu {micro}, but the run feeds {micro_batch} "
+                        f"samples per rank: pass --micro-batch {micro} or set it to \"auto\"")
+    if total is not None and total != micro * world_size * accumulation:
+        raise UserError(f"--ds-config {path}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+                        f"{world_size} ranks x gradient_accumulation_steps {accumulation} = "
+                        f"{micro * world_size * accumulation}; fix it or set it to \"auto\"")
+    for dtype in ("fp16", "bf16"):
+        enabled = explicit("enabled", dtype)
+        if enabled is True and precision != dtype:
+            raise UserError(f"--ds-config {path} enables {dtype} but the run's precision is {precision}: "
+                            f"pass --precision {dtype} or set \"enabled\" to \"auto\"")
 
 
 def ds_override_from_json(text: str | None) -> dict:
@@ -237,6 +289,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
                         gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
                         ds_override=ds_override_from_json(args.ds_override),
+                        ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
                         job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
                         memory_limit_gib=getattr(args, "memory_limit_gib", None),
                         preset=args.preset, model=model_from_args(args), out=args.out, verbose=args.verbose,

@@ -36,7 +36,10 @@ class TrainSettings:
     # torch's fused AdamW kernel (one launch for all parameters) for every strategy; the default,
     # foreach, is what the verify results were measured with.
     fused_adam: bool = False
-    # Merged into the generated DeepSpeed config last (e.g. {"zero_optimization": {"overlap_comm": true}}).
+    # A user's DeepSpeed config (--ds-config), used instead of the generated one, its "auto" values
+    # filled from the generated one; checked against these settings in config.py.
+    user_ds_config: dict = field(default_factory=dict)
+    # Merged into the DeepSpeed config last (e.g. {"zero_optimization": {"overlap_comm": true}}).
     ds_override: dict = field(default_factory=dict)
     verbose: bool = False
 
@@ -47,6 +50,30 @@ def merged(base: dict, override: dict) -> dict:
     for key, value in override.items():
         out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def with_autos_filled(user: dict, ours: dict) -> dict:
+    """A user's DeepSpeed config with every "auto" (Hugging Face's convention) replaced by the value
+    at the same place in ours; an "auto" we have no value for is left out (DeepSpeed's default).
+    Sections the user's config lacks that DeepSpeed needs to train (the optimizer, the batch sizes,
+    the precision) come from ours."""
+    def fill(u: dict, o: dict) -> dict:
+        out = {}
+        for key, value in u.items():
+            if value == "auto":
+                if key in o:
+                    out[key] = o[key]
+            elif isinstance(value, dict):
+                out[key] = fill(value, o.get(key, {}) if isinstance(o.get(key), dict) else {})
+            else:
+                out[key] = value
+        return out
+    filled = fill(user, ours)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+                "bf16", "fp16", "gradient_clipping", "steps_per_print"):
+        if key not in filled and key in ours:
+            filled[key] = ours[key]
+    return filled
 
 
 def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -191,6 +218,10 @@ class DeepSpeedZero(Strategy):
         if self.stage > 0:
             config["zero_optimization"] = {"stage": self.stage, "reduce_bucket_size": s.reduce_bucket_size,
                                            "reduce_scatter": True}
+        if s.user_ds_config:
+            config = with_autos_filled(s.user_ds_config, config)
+            # The strategy decides the stage; the DeepSpeed config's own, if any, is replaced.
+            config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": self.stage}
         return merged(config, s.ds_override)
 
     def setup(self, model, device):
@@ -218,9 +249,13 @@ class DeepSpeedZero(Strategy):
                 and major_minor == (0, 19))
 
     def notes(self):
-        if not self.scale_loss_ourselves:
-            return []
-        return [f"{self.name}: DeepSpeed 0.19 does not scale the fp16 loss in engine.backward() without ZeRO but "
+        notes = []
+        user_stage = (self.settings.user_ds_config.get("zero_optimization") or {}).get("stage")
+        if user_stage not in (None, "auto", self.stage):
+            notes.append(f"{self.name}: --ds-config says stage {user_stage}; {self.name} runs stage {self.stage}")
+        if not getattr(self, "scale_loss_ourselves", False):  # known after setup
+            return notes
+        return notes + [f"{self.name}: DeepSpeed 0.19 does not scale the fp16 loss in engine.backward() without ZeRO but "
                 "divides the gradients by the loss scale at step (DeepSpeed PR #8393); zerolens scales the loss "
                 "itself so that this baseline trains correctly"]
 

@@ -155,7 +155,7 @@ def train_settings(config: VerifyConfig) -> TrainSettings:
     return TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
                          world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
                          gradient_clipping=config.gradient_clipping, fused_adam=config.fused_adam,
-                         ds_override=config.ds_override, verbose=config.verbose)
+                         user_ds_config=config.ds_config, ds_override=config.ds_override, verbose=config.verbose)
 
 
 def write_config(out: Path, command: str, config: VerifyConfig, settings: TrainSettings) -> None:

@@ -1,0 +1,63 @@
+"""--ds-config FILE: a user's DeepSpeed JSON with Hugging Face-style "auto" values, filled from
+zerolens's settings; bad files and inconsistent batch arithmetic end in one line, exit 2."""
+import json
+
+import pytest
+
+from conftest import zerolens
+from zerolens.strategies import DeepSpeedZero, TrainSettings
+
+AUTO_CONFIG = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "contiguous_gradients": True},
+}
+
+
+def test_autos_are_filled_and_the_strategy_decides_the_stage():
+    settings = TrainSettings(precision="bf16", micro_batch=4, world_size=3, lr=3e-4, reduce_bucket_size=1000,
+                             user_ds_config=AUTO_CONFIG)
+    zero2 = DeepSpeedZero(2, settings)
+    config = zero2.ds_config()
+    assert config["train_batch_size"] == 12 and config["train_micro_batch_size_per_gpu"] == 4
+    assert config["gradient_accumulation_steps"] == 1 and config["bf16"] == {"enabled": True}
+    assert config["optimizer"]["params"] == {"lr": 3e-4, "torch_adam": True, "weight_decay": 0.0}
+    assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000, "contiguous_gradients": True}
+    assert zero2.notes() == ["zero2: --ds-config says stage 3; zero2 runs stage 2"]
+
+
+def test_verify_with_a_user_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(AUTO_CONFIG))
+    out = tmp_path / "run"
+    result = zerolens("verify", "--ds-config", str(path), "--steps", "6", "--out", str(out), timeout=300)
+    assert result.returncode in (0, 1), result.stderr  # 6 steps: "loss fell" may fail
+    config = json.loads((out / "config.json").read_text())["strategy_settings"]["zero2"]["ds_config"]
+    assert config["optimizer"]["params"]["weight_decay"] == 0.0 and config["zero_optimization"]["stage"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    memory = [c for c in summary["checks"] if c["name"].startswith(("gradient", "retained"))]
+    assert memory and all(c["passed"] for c in memory)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"train_batch_size": 10}', "train_batch_size 10 != train_micro_batch_size_per_gpu 8 x 2 ranks x "
+                                 "gradient_accumulation_steps 1 = 16"),
+    ('{"gradient_accumulation_steps": 2}', "zerolens steps without accumulation"),
+    ('{"train_micro_batch_size_per_gpu": 4}', "pass --micro-batch 4"),
+    ('{"fp16": {"enabled": true}}', "enables fp16 but the run's precision is bf16"),
+])
+def test_bad_config_files(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    result = zerolens("verify", "--ds-config", str(path), "--out", str(tmp_path / "run"), timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_unreadable_config_file(tmp_path):
+    result = zerolens("verify", "--ds-config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "run"),
+                      timeout=60)
+    assert result.returncode == 2 and "cannot read it" in result.stderr
