@@ -53,3 +53,17 @@ def test_ddp_alone_needs_no_deepspeed(tmp_path):
     result = run([sys.executable, "-c", code], timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Verdict: PASS" in result.stdout
+
+
+def test_unwritable_run_folder(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = zerolens("verify", "--out", str(blocker / "run"), timeout=60)
+    assert result.returncode == 2 and "cannot create run folder" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_timeout_and_fault_variable(tmp_path):
+    result = zerolens("verify", "--timeout", "0", "--out", str(tmp_path / "run"), timeout=60)
+    assert result.returncode == 2 and "--timeout must be positive" in result.stderr
+    assert not (tmp_path / "run").exists()
