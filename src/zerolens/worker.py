@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(config, local_rank)
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
-        stack_file = watch_for_hangs(out[0] / "logs", rank, phase)
+        stack_file = watch_for_hangs(out[0] / "logs", rank, phase)  # open till the process ends  # noqa: F841
         if rank == 0:
             report.write_json(out[0] / "env.json", environment(config, command, device))
         if args.job == "bench":
