@@ -69,3 +69,12 @@ def test_a_hang_on_one_rank_is_ended_by_the_timeout_and_named(tmp_path):
     assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
     assert "faults.py" in (out / "logs" / "stack_rank1.txt").read_text()
     assert time.monotonic() - start < 120
+
+
+def test_a_failed_bench_is_marked_too(tmp_path):
+    out = tmp_path / "bench"
+    result = zerolens("bench", "--preset", "gpt-tiny", "--warmup", "1", "--steps", "2", "--out", str(out), timeout=240,
+                      env={"ZEROLENS_FAULT": "rank=0,step=1,phase=forward,kind=crash"})
+    assert result.returncode == 1 and "rank 0 failed during forward of ddp at step 1" in result.stderr
+    assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
+    assert not (out / "bench.json").exists()

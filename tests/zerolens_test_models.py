@@ -18,3 +18,33 @@ class WithAScalar(nn.Module):
 
 def with_a_scalar():
     return WithAScalar()
+
+
+def tiny_classifier():
+    """For --model: an embedding and two blocks in an nn.ModuleList (FSDP2 shards each block)."""
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(64, 16)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, tokens):
+            x = self.embedding(tokens)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x[:, 0])  # the class is in the first token
+    return Tiny()
+
+
+def tiny_batch(step, batch_size, seed):
+    """For --batch: 6 tokens per sample; the class is the first token modulo 4."""
+    import torch
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    tokens = torch.randint(64, (batch_size, 6), generator=gen)
+    return tokens, tokens[:, 0] % 4
+
+
+def wrong_batch(step, batch_size, seed):
+    import torch
+    return torch.zeros(batch_size + 1, 6, dtype=torch.long), torch.zeros(batch_size + 1, dtype=torch.long)

@@ -119,7 +119,11 @@ def synchronize(device: torch.device) -> None:
 def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int, device_name: str,
                   versions: dict) -> dict:
     """gathered[rank][i]: rank's result for config.strategies[i]."""
-    tokens_per_step = config.micro_batch * config.nproc * config.model.seq_len
+    global_batch = config.micro_batch * config.nproc
+    # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
+    tokens_per_step = (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
+                                  signal=config.signal)[0].numel()
+                       if config.model.kind == "user" else global_batch * config.model.seq_len)
     flops_per_token = training_flops_per_token(config.model, params)
     peak_tflops, peak_source = config.peak_tflops, "--peak-tflops"
     if peak_tflops is None:
@@ -131,13 +135,13 @@ def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int,
         # A data-parallel step ends when its slowest rank does.
         step_seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
         step_time = median(step_seconds[config.warmup_steps:])
-        tflops = flops_per_token * tokens_per_step / config.nproc / step_time / 1e12
+        tflops = flops_per_token * tokens_per_step / config.nproc / step_time / 1e12 if flops_per_token else None
         peaks = [r["peak_bytes"] for r in per_rank]
         strategies[name] = {
             "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
             "warmup_step_times_s": step_seconds[:config.warmup_steps],
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None,
+            "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
             "peak_bytes": max(peaks) if None not in peaks else None, "peak_bytes_per_rank": peaks,
             "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank],
             # Allocated before setup, left by the strategies run earlier in this process: part of
@@ -168,12 +172,14 @@ def render_bench(summary: dict, command: str) -> str:
     for name, s in summary["strategies"].items():
         vs = s["vs_ddp"] or {}
         rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")),
-                     f"{s['tokens_per_s']:,.0f}", f"{s['tflops_per_gpu']:.1f}",
+                     f"{s['tokens_per_s']:,.0f}", "-" if s["tflops_per_gpu"] is None else f"{s['tflops_per_gpu']:.1f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
                      "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
                      f"{s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}"])
     table = markdown_table(["strategy", "step (ms, median)", "vs ddp", "tokens/s", "TFLOP/s per rank", "MFU",
                             "peak per rank (GiB, max)", "vs ddp", "loss"], rows)
+    flops = (f"FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}." if summary["flops_per_token"]
+             else "FLOPs: not known for a user's model (no TFLOP/s or MFU); tokens are its input elements.")
     mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."
            if summary["peak_tflops"] else "No MFU: no peak FLOP/s is known for this device (give --peak-tflops).")
     peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
@@ -193,7 +199,7 @@ Command: `{command}`
 {summary['preset']} ({summary['params']:,} parameters), {summary['world_size']} x {summary['device_name']},
 {summary['precision']}, micro-batch {summary['micro_batch']} per rank, {summary['tokens_per_step']:,} tokens per step.
 Step time: median of {summary['timed_steps']} synchronised steps after {summary['warmup_steps']} warm-up steps,
-each step's slowest rank. FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}. {mfu}
+each step's slowest rank. {flops} {mfu}
 {peak}
 
 {table}

@@ -62,14 +62,19 @@ def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -
     try:
         return run_job("verify", args, verify_argv, command)
     except WorkersFailed as e:
-        out = Path(args.out) if args.out else None
-        print(f"zerolens: FAILED: {e}", file=sys.stderr)
-        if out is not None and out.is_dir():
-            # The verdict of a run that did not finish: FAIL, with why; the ranks' logs beside it.
-            report.write_json(out / "summary.json", {"verdict": "FAIL", "failure": str(e), "command": command})
-            print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
-                  file=sys.stderr)
+        report_failure(args, e, command)
         return None
+
+
+def report_failure(args: argparse.Namespace, error: WorkersFailed, command: str) -> None:
+    """A run that did not finish: one line on stderr, and summary.json marked FAIL with why, beside
+    the ranks' logs."""
+    print(f"zerolens: FAILED: {error}", file=sys.stderr)
+    out = Path(args.out) if args.out else None
+    if out is not None and out.is_dir():
+        report.write_json(out / "summary.json", {"verdict": "FAIL", "failure": str(error), "command": command})
+        print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
+              file=sys.stderr)
 
 
 def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: str) -> dict:
@@ -112,10 +117,11 @@ def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
     # The workers parse verify's defaults (100 steps, zero0,zero2, case-study): bench's own
     # defaults must reach them as explicit flags.
+    command = shlex.join(["zerolens", *argv])
     try:
-        run_job("bench", args, job_flags(args), command=shlex.join(["zerolens", *argv]))
+        run_job("bench", args, job_flags(args), command=command)
     except WorkersFailed as e:
-        print(f"zerolens: FAILED: {e}", file=sys.stderr)
+        report_failure(args, e, command)
         return 1
     return 0
 
@@ -198,6 +204,8 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     ns = int_list(args.nproc_list, "--nproc-list")
     buckets = int_list(args.reduce_bucket_sizes, "--reduce-bucket-sizes") if args.reduce_bucket_sizes else \
         [int(args.reduce_bucket_size)]
+    if args.model and args.presets:
+        raise UserError("--presets and --model: a sweep runs presets or your model, not both")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else [args.preset]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets:
@@ -212,12 +220,12 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         point_args = argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "reduce_bucket_size": bucket,
                                            "out": str(out / folder)})
         verify_argv = job_flags(point_args)
-        print(f"zerolens sweep: {preset}, N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
+        print(f"zerolens sweep: {args.model or preset}, N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
         summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
         if summary is None:
             failed.append(f"{preset} N={n} bucket {bucket:.0e}")
             continue
-        points.append(point_summary(summary, bucket, point_args.out, preset))
+        points.append(point_summary(summary, bucket, point_args.out, args.model or preset))
     if not points:
         print("zerolens: every sweep point failed", file=sys.stderr)
         return 1
@@ -248,7 +256,8 @@ def job_flags(args: argparse.Namespace) -> list[str]:
                         ("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
                         ("--lr", args.lr), ("--global-batch", args.global_batch), ("--width", args.width),
                         ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len),
-                        ("--ds-override", args.ds_override), ("--ds-config", args.ds_config)):
+                        ("--ds-override", args.ds_override), ("--ds-config", args.ds_config),
+                        ("--model", args.model), ("--batch", args.batch)):
         if value is not None:
             flags += [flag, str(value)]
     return flags + (["--verbose"] if args.verbose else [])

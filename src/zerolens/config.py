@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import PRESETS, ModelConfig
+from .model import PRESETS, ModelConfig, parameter_shapes
 from .strategies import STRATEGIES
 
 
@@ -127,6 +127,12 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: bf16 on cpu; on cuda fp16 for case-study (the case study's), else bf16")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
                         help="the model (default: %(default)s; case-study is the demo's 0.53M-parameter Transformer)")
+    parser.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                        help="your nn.Module instead of a preset: a function returning it (built on the CPU, fp32); "
+                             "needs --batch")
+    parser.add_argument("--batch", default=None, metavar="MODULE:FUNCTION",
+                        help="with --model: function(step, batch_size, seed) -> (inputs, integer targets), the "
+                             "global batch of a step; the model's output are logits compared with the targets")
     parser.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
     parser.add_argument("--depth", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
@@ -229,8 +235,31 @@ def ds_override_from_json(text: str | None) -> dict:
     return value
 
 
+def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """--model module:factory with --batch module:function, checked here (the model built on the
+    meta device, one batch drawn) so that a mistake ends in one line before any worker starts."""
+    if not args.batch:
+        raise UserError("--model needs --batch module:function: how zerolens makes inputs and targets (README)")
+    if any(v is not None for v in (args.width, args.depth, args.heads, args.seq_len)) or args.activation_checkpointing \
+            or args.compile:
+        raise UserError("--width/--depth/--heads/--seq-len/--activation-checkpointing/--compile change a preset, "
+                        "not a --model")
+    model = ModelConfig(kind="user", factory=args.model, batch=args.batch)
+    from .data import make_batch
+    try:
+        if not parameter_shapes(model):
+            raise ValueError(f"{args.model} has no parameters")
+        make_batch(model, 0, seed=0, batch_size=2, signal=0.0)
+    except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
+        raise UserError(f"--model/--batch: {e}") from None
+    return model
+
+
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide)."""
+    """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
+    or the user's model."""
+    if getattr(args, "model", None):
+        return user_model_from_args(args)
     model = PRESETS[args.preset]
     changes = {}
     for flag, field, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
@@ -273,7 +302,9 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp,fsdp2-grad,fsdp2)")
     precision, note = args.precision, ""
     if precision is None:
-        precision = PRESET_GPU_PRECISION[args.preset] if device == "cuda" else "bf16"
+        # A user's model: bf16 on GPU, which needs no loss scaling.
+        precision = (PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16") if device == "cuda"
+                     else "bf16")
         if device == "cpu":
             note = "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case study's fp16"
     job = getattr(args, "job", "verify")
@@ -292,5 +323,6 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
                         job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
                         memory_limit_gib=getattr(args, "memory_limit_gib", None),
-                        preset=args.preset, model=model_from_args(args), out=args.out, verbose=args.verbose,
-                        lr=args.lr if args.lr is not None else PRESET_LR[args.preset])
+                        preset=args.model or args.preset, model=model_from_args(args), out=args.out,
+                        verbose=args.verbose,
+                        lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))

@@ -20,17 +20,35 @@ from __future__ import annotations
 
 import torch
 
-from .model import ModelConfig
+from .model import ModelConfig, load_user_function
 
 
 def make_batch(model: ModelConfig, step: int, *, seed: int, batch_size: int,
                signal: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step` for this model's task: (tokens, labels) on the CPU."""
+    if model.kind == "user":
+        return user_batch(model.batch, step, seed=seed, batch_size=batch_size)
     if model.kind == "gpt":
         return lm_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,
                         vocab_size=model.vocab_size, signal=signal)
     return global_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,
                         vocab_size=model.vocab_size, num_classes=model.num_classes, signal=signal)
+
+
+def user_batch(spec: str, step: int, *, seed: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Your batch function (--batch module:function), called as function(step=, batch_size=, seed=).
+    It must return (inputs, targets): tensors on the CPU with batch_size rows, the same for the same
+    arguments (every rank calls it and takes its own rows), targets integer class indices."""
+    result = load_user_function(spec)(step=step, batch_size=batch_size, seed=seed)
+    if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+        raise ValueError(f"{spec} must return a tuple (inputs, targets) of tensors")
+    inputs, targets = result
+    if inputs.shape[0] != batch_size or targets.shape[0] != batch_size:
+        raise ValueError(f"{spec} returned {inputs.shape[0]} inputs and {targets.shape[0]} targets for "
+                         f"batch_size {batch_size}")
+    if targets.is_floating_point():
+        raise ValueError(f"{spec}: targets must be integer class indices, got {targets.dtype}")
+    return inputs, targets
 
 
 def lm_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int,

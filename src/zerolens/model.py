@@ -19,7 +19,11 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    kind: str = "classifier"  # classifier | gpt
+    kind: str = "classifier"  # classifier | gpt | user
+    # kind "user" (--model/--batch): "module:function" of a factory returning your nn.Module, and of
+    # a function batch(step, batch_size, seed) -> (inputs, targets); see load_user_function.
+    factory: str = ""
+    batch: str = ""
     vocab_size: int = 1000
     d_model: int = 128
     num_layers: int = 2
@@ -36,8 +40,10 @@ class ModelConfig:
     compile_blocks: bool = False
 
     def __post_init__(self):
-        if self.kind not in ("classifier", "gpt"):
+        if self.kind not in ("classifier", "gpt", "user"):
             raise ValueError(f"unknown model kind {self.kind!r}")
+        if self.kind == "user" and not (self.factory and self.batch):
+            raise ValueError("a user model needs both a factory and a batch function")
         if (self.activation_checkpointing or self.compile_blocks) and self.kind != "gpt":
             raise ValueError("activation checkpointing and compiling are implemented for the GPT presets only")
         if self.d_model % self.num_heads:
@@ -151,6 +157,8 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
     """The same initial weights for every strategy and rank: seeded, built on the CPU in fp32."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if config.kind == "user":
+            return user_model(config)
         if config.kind == "classifier":
             return CaseStudyModel(config)
         # Built on the meta device, then initialised once: torch's default initialisation of each
@@ -168,15 +176,44 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
 def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
     """The shapes of the model's parameters, from a copy built on the meta device (no memory, no time)."""
     with torch.device("meta"):
-        model = GPT(config) if config.kind == "gpt" else CaseStudyModel(config)
+        model = user_model(config) if config.kind == "user" else GPT(config) if config.kind == "gpt" \
+            else CaseStudyModel(config)
     return [p.shape for p in model.parameters()]
 
 
-def training_flops_per_token(config: ModelConfig, params: int) -> int:
+def load_user_function(spec: str):
+    """`module:function` -> the function (the module must be importable: on sys.path or PYTHONPATH,
+    in every rank's environment). ValueError says what is wrong."""
+    import importlib
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"expected module:function, got {spec!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load {spec}: {e}") from None
+    if not callable(function):
+        raise ValueError(f"{spec} is not a function")
+    return function
+
+
+def user_model(config: ModelConfig) -> nn.Module:
+    """Your model, from --model module:factory: built for one device, fp32. Its output are logits
+    (..., classes) that zerolens compares with the integer targets of your batch function."""
+    model = load_user_function(config.factory)()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{config.factory} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def training_flops_per_token(config: ModelConfig, params: int) -> int | None:
     """Forward and backward FLOPs per token, as Megatron-LM and PaLM (appendix B) count them:
     6 per weight that multiplies (every parameter but the embedding tables) plus 12 * layers *
     width * sequence for attention's two matrix products, counted as if not causal. For the
-    classifier the head runs once per sample, not per token: this overcounts it slightly."""
+    classifier the head runs once per sample, not per token: this overcounts it slightly. None for
+    a user's model: zerolens does not know its arithmetic."""
+    if config.kind == "user":
+        return None
     embeddings = config.vocab_size * config.d_model + (config.seq_len * config.d_model if config.kind == "gpt" else 0)
     return 6 * (params - embeddings) + 12 * config.num_layers * config.d_model * config.seq_len
 
