@@ -4,13 +4,12 @@ Pure computation (`estimate`) apart from presentation (`render_estimate`).
 """
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
 from torch import nn
 
-from .model import PRESETS, build_model
+from .model import PRESETS, load_user_function, parameter_shapes
 from .strategies import STRATEGIES
 from .theory import (RETAINED_KEYS, deepspeed_estimator, paper_model_states, predict_retained,
                      transient_reduce_bucket_bytes)
@@ -22,13 +21,7 @@ STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2-grad":
 
 def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
     """`module:factory` -> the shapes of the model's parameters, built on the meta device (no memory)."""
-    module_name, _, factory_name = spec.partition(":")
-    if not module_name or not factory_name:
-        raise ValueError(f"--model takes module:factory, got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load {spec}: {e}") from None
+    factory = load_user_function(spec)
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, nn.Module):
@@ -37,8 +30,7 @@ def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
 
 
 def preset_shapes(name: str) -> list[tuple[int, ...]]:
-    with torch.device("meta"):
-        return [tuple(p.shape) for p in build_model(PRESETS[name], seed=0).parameters()]
+    return [tuple(shape) for shape in parameter_shapes(PRESETS[name])]
 
 
 def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
