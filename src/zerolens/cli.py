@@ -200,7 +200,8 @@ def int_list(text: str, flag: str) -> list[int]:
 
 
 def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from .sweep import point_summary, render_sweep
+    from .model import parameter_shapes
+    from .sweep import across_n, across_n_checks, point_summary, render_sweep
     ns = int_list(args.nproc_list, "--nproc-list")
     buckets = int_list(args.reduce_bucket_sizes, "--reduce-bucket-sizes") if args.reduce_bucket_sizes else \
         [int(args.reduce_bucket_size)]
@@ -212,8 +213,10 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--presets: unknown model {unknown[0] if unknown else '(none)'}; choose from {', '.join(PRESETS)}")
     out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
     grid = [(preset, n, bucket) for preset in presets for n in ns for bucket in buckets]
-    for preset, n, _ in grid:  # every point's configuration is checked before the first one runs
-        config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "out": None}))
+    # Every point's configuration is checked before the first one runs.
+    configs = {(preset, n): config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n,
+                                                                   "out": None}))
+               for preset, n, _ in grid}
     points, failed = [], []
     for preset, n, bucket in grid:
         folder = f"n{n}-bucket{bucket}" + (f"-{preset}" if len(presets) > 1 else "")
@@ -225,12 +228,21 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         if summary is None:
             failed.append(f"{preset} N={n} bucket {bucket:.0e}")
             continue
-        points.append(point_summary(summary, bucket, point_args.out, args.model or preset))
+        config = configs[(preset, n)]
+        points.append(point_summary(summary, bucket, point_args.out, args.model or preset,
+                                    param_shapes=[tuple(s) for s in parameter_shapes(config.model)],
+                                    global_batch=config.micro_batch * n))
     if not points:
         print("zerolens: every sweep point failed", file=sys.stderr)
         return 1
-    text = render_sweep(points, command=shlex.join(["zerolens", *argv]), failed=failed)
-    report.write_json(out / "sweep.json", {"points": points, "failed": failed})
+    rows, notes = across_n(points)
+    checks = across_n_checks(rows)
+    passed = not failed and all(p["verdict"] == "PASS" for p in points) and all(c["passed"] for c in checks)
+    verdict = "PASS" if passed else "FAIL"
+    text = render_sweep(points, command=shlex.join(["zerolens", *argv]), failed=failed, rows=rows, notes=notes,
+                        verdict=verdict)
+    report.write_json(out / "sweep.json", {"verdict": verdict, "points": points, "failed": failed,
+                                           "across_n_checks": checks, "notes": notes})
     report.write_atomic(out / "sweep.md", text)
     print("\n" + text)
     try:
@@ -238,7 +250,7 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         print("Plots: " + ", ".join(str(p) for p in sweep_plots(points, out)))
     except ImportError:
         print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
-    return 0 if not failed and all(p["verdict"] == "PASS" for p in points) else 1
+    return 0 if passed else 1
 
 
 def job_flags(args: argparse.Namespace) -> list[str]:

@@ -71,33 +71,33 @@ def verify_plots(summary: dict, out: Path) -> list[Path]:
 
 
 def sweep_plots(points: list[dict], out: Path) -> list[Path]:
-    """Gradient bytes per rank against N beside the baseline's 1/N curve; peak against N; peak
-    against the reduce bucket size and against the model's size where the sweep varies them;
-    stacked components and step time of every point; losses of the first point."""
+    """Gradient bytes per rank against N beside each strategy's unsharded/N line; peak against N;
+    losses at every N; peak against the reduce bucket size and against the model's size where the
+    sweep varies them; stacked components and step time of every point."""
     plt = _pyplot()
+    from .sweep import expected_share
     paths = []
     strategies = list(points[0]["strategies"])
-    baseline = points[0]["baseline"]
     buckets = sorted({p["reduce_bucket_size"] for p in points})
     presets = list(dict.fromkeys(p["preset"] for p in points))
-    by_n = [p for p in points if p["reduce_bucket_size"] == buckets[0] and p["preset"] == presets[0]]
+    by_n = sorted((p for p in points if p["reduce_bucket_size"] == buckets[0] and p["preset"] == presets[0]),
+                  key=lambda p: p["world_size"])
     ns = [p["world_size"] for p in by_n]
     for key, ylabel, name in (("grad_bytes_after_backward", "gradient MiB per rank (largest rank)", "grad_vs_n.png"),
                               ("peak_bytes", "peak MiB per rank (largest rank)", "peak_vs_n.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for s in strategies:
-            ax.plot(ns, [_mib_or_nan(p["strategies"][s][key]) for p in by_n], marker="o", label=s)
-        if key == "grad_bytes_after_backward":
-            n0 = by_n[0]["world_size"]
-            base = by_n[0]["strategies"][baseline][key] * n0 / MiB
-            ax.plot(ns, [base / n for n in ns], linestyle="--", color="gray",
-                    label=f"{baseline} at N={n0}, x {n0}/N" if n0 > 1 else f"{baseline} at N=1, x 1/N")
+            line, = ax.plot(ns, [_mib_or_nan(p["strategies"][s][key]) for p in by_n], marker="o", label=s)
+            if key == "grad_bytes_after_backward":  # what an exact 1/N (or whole) split would hold
+                ax.plot(ns, [p["strategies"][s]["unsharded_grad_bytes"] * expected_share(s, p["world_size"]) / MiB
+                             for p in by_n], linestyle="--", color=line.get_color(), linewidth=0.9)
         ax.set_xlabel("ranks N")
         ax.set_xticks(ns)
         ax.set_ylabel(ylabel)
-        ax.set_title(presets[0])
+        ax.set_title(presets[0] + (" (dashed: unsharded x 1/N, or whole)" if key == "grad_bytes_after_backward" else ""))
         ax.legend(fontsize=8)
         paths.append(_save(fig, out / name))
+    paths.append(loss_vs_n_plot(by_n, out / "loss_vs_n.png"))
     n0 = ns[0]
     for varied, key, xlabel, name in ((buckets, "reduce_bucket_size", "reduce_bucket_size (elements)", "peak_vs_bucket.png"),
                                       (presets, "params", "parameters", "peak_vs_model_size.png")):
@@ -120,6 +120,22 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
     paths.append(loss_plot({s: points[0]["strategies"][s]["losses"] for s in strategies}, out / "loss.png",
                            f"Loss per step, {points[0]['preset']}, N={points[0]['world_size']}"))
     return paths
+
+
+def loss_vs_n_plot(by_n: list[dict], path: Path) -> Path:
+    """One panel per strategy: its loss per step at every N (same model and bucket)."""
+    plt = _pyplot()
+    strategies = list(by_n[0]["strategies"])
+    fig, axes = plt.subplots(1, len(strategies), figsize=(3.6 * len(strategies) + 1, 3.8), squeeze=False, sharey=True)
+    for ax, s in zip(axes[0], strategies):
+        for p in by_n:
+            losses = p["strategies"][s]["losses"]
+            ax.plot(range(len(losses)), losses, linewidth=1.0, label=f"N={p['world_size']}, batch {p['global_batch']}")
+        ax.set_title(s)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel(f"loss (global batch), {by_n[0]['preset']}")
+    axes[0][-1].legend(fontsize=7)
+    return _save(fig, path)
 
 
 def _mib_or_nan(value: int | None) -> float:

@@ -1,20 +1,38 @@
-"""`zerolens sweep`: one verify run per (model, world size, reduce bucket size), tabulated side by side."""
+"""`zerolens sweep`: one verify run per (model, world size, reduce bucket size), tabulated side by
+side, and checked across world sizes: gradient bytes per rank against 1/N, losses against the
+smallest N's."""
 from __future__ import annotations
 
+from itertools import groupby
+
+from .checks import check, loss_matches
 from .report import markdown_table, mib
+from .theory import predict_retained
+
+# Strategies whose retained gradients are split N ways after backward. DeepSpeed stage 1 reduces
+# into partitions at the accumulation boundary, which is every step here (no accumulation);
+# DDP and stage 0 keep whole gradients on every rank.
+SHARDS_GRADIENTS = frozenset({"zero1", "zero2", "zero3", "fsdp2", "fsdp2-grad"})
 
 
-def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: str) -> dict:
+def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: str,
+                  param_shapes: list[tuple[int, ...]], global_batch: int) -> dict:
     """What the sweep keeps of one verify run: per strategy, the largest rank's figures (the rank
-    holding the most gradient bytes), its prediction, and the losses."""
+    holding the most gradient bytes), its prediction, the unsharded gradient bytes (the same
+    strategy's prediction on one rank) and the losses."""
+    numels = [_numel(shape) for shape in param_shapes]
     strategies = {}
     for name, s in summary["strategies"].items():
         top = max(s["ranks"], key=lambda r: r["grad_bytes_after_backward"])
         peaks = [r["peak_bytes"] for r in s["ranks"] if r["peak_bytes"] is not None]
         step_times = [r["median_step_seconds"] for r in s["ranks"] if r.get("median_step_seconds") is not None]
+        unsharded = predict_retained(name, numels, 1, 0, summary["precision"], reduce_bucket_size=reduce_bucket_size,
+                                     param_shapes=param_shapes)["grad_bytes_after_backward"]
         strategies[name] = {
+            "rank": top["rank"],
             "grad_bytes_after_backward": top["grad_bytes_after_backward"],
             "predicted_grad_bytes_after_backward": top["predicted"]["grad_bytes_after_backward"],
+            "unsharded_grad_bytes": unsharded,
             "grad_partition_elements": top["grad_partition_elements"],
             "param_bytes": top["param_bytes"], "optimizer_state_bytes": top["optimizer_state_bytes"],
             "comm_buffer_bytes_after_backward": top["comm_buffer_bytes_after_backward"],
@@ -26,29 +44,97 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
             "losses": s["losses"], "seconds": s["seconds"],
         }
     return {"preset": preset, "params": summary["param_count"], "world_size": summary["world_size"],
-            "reduce_bucket_size": reduce_bucket_size,
+            "reduce_bucket_size": reduce_bucket_size, "global_batch": global_batch,
             "baseline": summary["baseline"],
             "device": summary["device"], "precision": summary["precision"], "verdict": summary["verdict"],
             "folder": folder, "strategies": strategies}
 
 
-def render_sweep(points: list[dict], command: str, failed: list[str]) -> str:
-    base_name = points[0]["baseline"]
-    rows = []
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def expected_share(strategy: str, world_size: int) -> float:
+    """The fraction of the unsharded gradient bytes a rank keeps, before padding."""
+    return 1 / world_size if strategy in SHARDS_GRADIENTS else 1.0
+
+
+def series(points: list[dict]) -> list[list[dict]]:
+    """The points grouped by (model, bucket size), each group ordered by N: the series the
+    across-N checks compare."""
+    key = lambda p: (p["preset"], p["reduce_bucket_size"])  # noqa: E731
+    ordered = sorted(points, key=lambda p: (*key(p), p["world_size"]))
+    return [list(group) for _, group in groupby(ordered, key=key)]
+
+
+def across_n(points: list[dict]) -> tuple[list[dict], list[str]]:
+    """Per model, bucket size, strategy and N, two checks: the largest rank's retained gradient
+    bytes are the unsharded bytes x 1/N plus the padding theory predicts for that N (exactly), and
+    the loss at every step matches the smallest N's when every N trained on the same global batch.
+    Returns (rows, notes); each row holds its "gradients" check and its "loss" check or None."""
+    rows, notes = [], []
+    for group in series(points):
+        first = group[0]
+        where = f"{first['preset']}, bucket {first['reduce_bucket_size']:.0e}"
+        same_batch = len({p["global_batch"] for p in group}) == 1
+        if len(group) > 1 and not same_batch:
+            notes.append(f"{where}: losses not compared across N: the global batch changes with N "
+                         f"({', '.join(str(p['global_batch']) for p in group)}); pass --global-batch to hold it fixed")
+        for name in first["strategies"]:
+            for p in group:
+                s, n = p["strategies"][name], p["world_size"]
+                loss = None
+                if p is not first and same_batch:
+                    loss = loss_matches(f"{where}: {name} at N={n}", s["losses"], f"N={first['world_size']}",
+                                        first["strategies"][name]["losses"], p["precision"])
+                rows.append({"preset": p["preset"], "reduce_bucket_size": p["reduce_bucket_size"], "strategy": name,
+                             "world_size": n, "gradients": gradient_check(where, name, n, s), "loss": loss})
+    return rows, notes
+
+
+def gradient_check(where: str, name: str, n: int, s: dict) -> dict:
+    share = expected_share(name, n)
+    ideal = s["unsharded_grad_bytes"] * share
+    predicted = s["predicted_grad_bytes_after_backward"]
+    padding = predicted - ideal
+    held = s["grad_bytes_after_backward"]
+    return check(
+        f"gradients follow {'1/N' if name in SHARDS_GRADIENTS else 'whole'} plus padding ({where}, {name}, N={n})",
+        held == predicted,
+        measured={"bytes": held, "share_of_unsharded": held / s["unsharded_grad_bytes"], "rank": s["rank"]},
+        expected={"bytes": predicted, "share": share, "share_bytes": ideal, "padding_bytes": padding},
+        tolerance="exact (0 bytes)",
+        detail=f"rank {s['rank']} holds {held / s['unsharded_grad_bytes']:.4f} of the unsharded "
+               f"{mib(s['unsharded_grad_bytes'])} MiB; {'1/' + str(n) if share < 1 else 'whole'} is "
+               f"{mib(round(ideal))} MiB, plus {padding / 2**20:+.3f} MiB of padding and whole parameters at "
+               f"partition edges predicted; measured {mib(held)} MiB, predicted {mib(predicted)} MiB")
+
+
+def across_n_checks(rows: list[dict]) -> list[dict]:
+    return [c for row in rows for c in (row["gradients"], row["loss"]) if c is not None]
+
+
+def render_sweep(points: list[dict], command: str, failed: list[str], rows: list[dict], notes: list[str],
+                 verdict: str) -> str:
+    table_rows = []
     for p in points:
-        base = p["strategies"][base_name]
         for name, s in p["strategies"].items():
-            rows.append([p["preset"], p["world_size"], f"{p['reduce_bucket_size']:.0e}", name,
-                         mib(s["grad_bytes_after_backward"]), mib(s["predicted_grad_bytes_after_backward"]),
-                         f"{s['grad_bytes_after_backward'] / base['grad_bytes_after_backward']:.3f}",
-                         f"{1 / p['world_size']:.3f}", mib(s["param_bytes"]), mib(s["optimizer_state_bytes"]),
-                         mib(s["peak_bytes"]), "-" if s["step_time_s"] is None else f"{s['step_time_s'] * 1e3:.1f}",
-                         f"{s['losses'][-1]:.4f}", p["verdict"]])
-    table = markdown_table(["model", "N", "reduce bucket", "strategy", "grads after backward (largest rank)", "predicted",
-                            f"vs {base_name}", "1/N", "params", "optimizer states", "peak (largest rank)",
-                            "step (ms, median)", "last loss", "verify"], rows)
+            table_rows.append([p["preset"], p["world_size"], p["global_batch"], f"{p['reduce_bucket_size']:.0e}", name,
+                               mib(s["grad_bytes_after_backward"]), mib(s["predicted_grad_bytes_after_backward"]),
+                               mib(s["param_bytes"]), mib(s["optimizer_state_bytes"]), mib(s["peak_bytes"]),
+                               "-" if s["step_time_s"] is None else f"{s['step_time_s'] * 1e3:.1f}",
+                               f"{s['losses'][-1]:.4f}", p["verdict"]])
+    table = markdown_table(["model", "N", "global batch", "reduce bucket", "strategy",
+                            "grads after backward (largest rank)", "predicted", "params", "optimizer states",
+                            "peak (largest rank)", "step (ms, median)", "last loss", "verify"], table_rows)
+    checks = across_n_checks(rows)
     missing = f"\nFailed points (see their run folders): {', '.join(failed)}\n" if failed else ""
-    return f"""# zerolens sweep
+    note_lines = "".join(f"\nNote: {n}\n" for n in notes)
+    failures = "".join(f"\n- FAIL {c['name']}: {c['detail']}" for c in checks if not c["passed"])
+    return f"""# zerolens sweep: {verdict}
 
 Command: `{command}`. One `zerolens verify` per row group; each point's folder holds its own
 report. Memory in MiB (1024^2 bytes), per rank, the rank holding the most gradient bytes. Step time:
@@ -56,4 +142,31 @@ forward + backward + step, median over verify's steps but the first and the last
 (verify measures every step: use `zerolens bench` for throughput).
 {missing}
 {table}
+
+## Across world sizes
+
+Gradients: the largest rank's retained gradient bytes after backward against the same strategy's
+unsharded bytes (its prediction on one rank), expected to be 1/N of them for the strategies that
+shard gradients and all of them for the others, plus the padding and whole edge parameters that
+theory predicts at that N; the check is exact. Loss: the largest per-step difference from the same
+strategy's loss at the smallest N, on the same global batch.
+{note_lines}
+{across_n_table(rows)}
+
+Across-N checks: {sum(c["passed"] for c in checks)} of {len(checks)} passed.{failures}
 """
+
+
+def across_n_table(rows: list[dict]) -> str:
+    out = []
+    for row in rows:
+        grads, loss = row["gradients"], row["loss"]
+        out.append([row["preset"], f"{row['reduce_bucket_size']:.0e}", row["strategy"], row["world_size"],
+                    mib(grads["measured"]["bytes"]), f"{grads['measured']['share_of_unsharded']:.4f}",
+                    f"{grads['expected']['share']:.4f}", f"{grads['expected']['padding_bytes'] / 2**20:+.3f}",
+                    "PASS" if grads["passed"] else "FAIL",
+                    "-" if loss is None else f"{loss['measured']['max_abs_diff']:.2e}",
+                    "-" if loss is None else ("PASS" if loss["passed"] else "FAIL")])
+    return markdown_table(["model", "bucket", "strategy", "N", "grads (largest rank)", "share of unsharded",
+                           "1/N or whole", "predicted padding (MiB)", "grads as predicted",
+                           "max loss diff vs smallest N", "loss"], out)
