@@ -1,32 +1,77 @@
-"""`zerolens sweep` on CPU: one verify per world size, gradient bytes following the prediction."""
+"""`zerolens sweep`: the checks across world sizes (unit tests on made-up points), and a CPU sweep
+with one verify per world size, gradient bytes following the prediction."""
 import json
 
 from conftest import zerolens
-from zerolens.theory import predict_retained
 from zerolens.model import PRESETS, build_model
+from zerolens.sweep import across_n, across_n_checks, expected_share
+from zerolens.theory import predict_retained
+
+
+def point(n: int, grads: int, predicted: int, losses: list[float], *, global_batch: int = 8,
+          strategy: str = "zero2", unsharded: int = 1000) -> dict:
+    return {"preset": "m", "reduce_bucket_size": 50_000_000, "world_size": n, "global_batch": global_batch,
+            "precision": "fp32", "strategies": {strategy: {
+                "rank": 0, "grad_bytes_after_backward": grads, "predicted_grad_bytes_after_backward": predicted,
+                "unsharded_grad_bytes": unsharded, "losses": losses}}}
+
+
+def test_gradients_at_1_over_n_plus_predicted_padding_pass_and_losses_compared_with_the_smallest_n():
+    rows, notes = across_n([point(4, 260, 260, [2.0, 1.5]), point(1, 1000, 1000, [2.0, 1.5]),
+                            point(2, 510, 510, [2.0, 1.5004])])
+    assert notes == []
+    assert [r["world_size"] for r in rows] == [1, 2, 4]  # ordered by N
+    assert [r["gradients"]["expected"]["share"] for r in rows] == [1.0, 0.5, 0.25]
+    assert [r["gradients"]["expected"]["padding_bytes"] for r in rows] == [0, 10, 10]
+    assert rows[0]["loss"] is None and rows[1]["loss"]["passed"] and rows[2]["loss"]["passed"]
+    assert all(c["passed"] for c in across_n_checks(rows)) and len(across_n_checks(rows)) == 5
+
+
+def test_gradients_off_the_prediction_or_losses_apart_fail():
+    rows, _ = across_n([point(1, 1000, 1000, [2.0, 1.5]), point(2, 600, 510, [2.0, 1.6])])
+    assert not rows[1]["gradients"]["passed"]
+    assert rows[1]["gradients"]["measured"]["share_of_unsharded"] == 0.6
+    assert not rows[1]["loss"]["passed"]  # 0.1 apart in fp32
+
+
+def test_losses_are_not_compared_when_the_global_batch_changes_with_n():
+    rows, notes = across_n([point(1, 1000, 1000, [2.0], global_batch=8), point(2, 500, 500, [9.0], global_batch=16)])
+    assert all(r["loss"] is None for r in rows)
+    assert len(notes) == 1 and "--global-batch" in notes[0]
+
+
+def test_whole_gradient_strategies_expect_the_whole_at_every_n():
+    assert expected_share("ddp", 4) == expected_share("zero0", 4) == 1.0
+    assert expected_share("zero1", 4) == expected_share("fsdp2", 4) == 0.25
 
 
 def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "sweep"
     result = zerolens("sweep", "--nproc-list", "1,3", "--strategies", "zero0,zero2", "--steps", "8",
-                      "--lr", "1e-3", "--out", str(out), timeout=400)
+                      "--global-batch", "6", "--lr", "1e-3", "--out", str(out), timeout=400)
     assert result.returncode in (0, 1), result.stdout + result.stderr  # 1: a verdict FAIL in 8 steps
     sweep = json.loads((out / "sweep.json").read_text())
     assert sweep["failed"] == []
     assert [p["world_size"] for p in sweep["points"]] == [1, 3]
     numels = [p.numel() for p in build_model(PRESETS["case-study"], 0).parameters()]
-    for point in sweep["points"]:
-        n = point["world_size"]
-        zero2 = point["strategies"]["zero2"]
+    for point_ in sweep["points"]:
+        n = point_["world_size"]
+        zero2 = point_["strategies"]["zero2"]
         # The largest rank's gradient bytes, as theory predicts for that N (padding included).
         expected = max(predict_retained("zero2", numels, n, r, "bf16")["grad_bytes_after_backward"] for r in range(n))
         assert zero2["grad_bytes_after_backward"] == zero2["predicted_grad_bytes_after_backward"] == expected
-        assert (out / point["folder"].split("/")[-1] / "summary.json").exists()
+        assert zero2["unsharded_grad_bytes"] == 2 * sum(numels)
+        assert (out / point_["folder"].split("/")[-1] / "summary.json").exists()
     one, three = (p["strategies"]["zero2"]["grad_bytes_after_backward"] for p in sweep["points"])
     assert three < one / 2  # at N=3 each rank holds about a third, overlap included
-    for name in ("sweep.md", "grad_vs_n.png", "peak_vs_n.png", "loss.png"):
+    checks = {c["name"]: c for c in sweep["across_n_checks"]}
+    assert len(checks) == 6  # gradients at N=1 and N=3, loss at N=3, for two strategies
+    assert all(c["passed"] for c in checks.values()), [c for c in checks.values() if not c["passed"]]
+    assert "loss matches baseline (case-study, bucket 5e+07: zero2 at N=3 vs N=1)" in checks
+    for name in ("sweep.md", "grad_vs_n.png", "peak_vs_n.png", "loss_vs_n.png", "loss.png"):
         assert (out / name).stat().st_size > 0, name
-    assert "| 3 |" in (out / "sweep.md").read_text()
+    text = (out / "sweep.md").read_text()
+    assert "| 3 |" in text and "## Across world sizes" in text
 
 
 def test_sweep_rejects_a_bad_list():
