@@ -9,10 +9,15 @@ from statistics import mean
 from .strategies import DTYPES
 from .theory import zero_partition_layout
 
-# Largest per-step difference in global-batch loss between a strategy and the baseline that we
-# accept, by precision: both run the same arithmetic, but reductions happen in a different
-# order and, in 16-bit, in a different dtype; differences compound over the steps.
-LOSS_MATCH_TOLERANCE = {"fp32": 1e-3, "bf16": 0.05, "fp16": 0.02}
+# Largest difference accepted between a strategy's loss curve and the baseline's, relative to the
+# baseline's loss, by precision. Both see the same batches and run the same arithmetic, but
+# reductions happen in a different order (and over different partial sums at another N); in
+# 16-bit the rounding differences make the two trajectories jitter apart from one step to the
+# next while the curves stay together (2xH200, gpt-100m, bf16, 40 steps: 0.23 apart at one step,
+# at most 0.95% apart as 8-step means). So the curves are compared as moving means over
+# loss_window(steps) steps: a real difference in training (DeepSpeed 0.19's unpatched fp16 stage
+# 0 ended 9% above the others) persists through the mean, one step's jitter does not.
+LOSS_MATCH_TOLERANCE = {"fp32": 5e-4, "bf16": 0.02, "fp16": 0.01}
 # The loss has "clearly fallen" when the mean of the last steps is this much below the first's.
 MIN_RELATIVE_FALL = 0.05
 
@@ -36,15 +41,29 @@ def loss_fell(name: str, losses: list[float]) -> dict:
                  detail=f"mean of the first {w} steps {first:.4f}, of the last {w} steps {last:.4f}")
 
 
+def moving_mean(values: list[float], window: int) -> list[float]:
+    return [mean(values[i:i + window]) for i in range(len(values) - window + 1)]
+
+
 def loss_matches(name: str, losses: list[float], baseline: str, baseline_losses: list[float],
                  precision: str) -> dict:
-    diffs = [abs(a - b) for a, b in zip(losses, baseline_losses)]
+    """The loss curve follows the baseline's: their moving means over loss_window(steps) steps
+    differ by at most LOSS_MATCH_TOLERANCE[precision] of the baseline's. The largest single-step
+    difference is reported beside it."""
+    w = min(loss_window(len(losses)), len(losses))
+    ours, theirs = moving_mean(losses, w), moving_mean(baseline_losses, w)
+    relative = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    worst = max(range(len(relative)), key=relative.__getitem__)
+    step_diffs = [abs(a - b) for a, b in zip(losses, baseline_losses)]
+    worst_step = max(range(len(step_diffs)), key=step_diffs.__getitem__)
     tol = LOSS_MATCH_TOLERANCE[precision]
-    worst = max(range(len(diffs)), key=diffs.__getitem__)
-    return check(f"loss matches baseline ({name} vs {baseline})", diffs[worst] <= tol,
-                 measured={"max_abs_diff": diffs[worst], "at_step": worst, "mean_abs_diff": mean(diffs)},
-                 expected=0.0, tolerance=f"max |loss - baseline loss| <= {tol} ({precision})",
-                 detail=f"largest difference {diffs[worst]:.2e} at step {worst}")
+    return check(f"loss matches baseline ({name} vs {baseline})", relative[worst] <= tol,
+                 measured={"max_relative_diff": relative[worst], "window_steps": w, "at_steps": [worst, worst + w - 1],
+                           "max_abs_step_diff": step_diffs[worst_step], "at_step": worst_step},
+                 expected=0.0,
+                 tolerance=f"{w}-step moving means within {tol:.0e} of the baseline's ({precision})",
+                 detail=f"{w}-step means at most {relative[worst]:.2e} of the baseline's apart (steps {worst}-{worst + w - 1}); "
+                        f"largest single-step difference {step_diffs[worst_step]:.2e} at step {worst_step}")
 
 
 def zero_gradient_checks(name: str, ranks: list[dict], baseline_ranks: list[dict], param_numels: list[int],
