@@ -49,6 +49,8 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     assert len(lines) == 2 * summary["steps"]
     assert json.loads(lines[0])["rank"] == 1
     assert "Verdict: PASS" in (out / "report.md").read_text()
+    # Each rank's heartbeat stays; its stack-dump file, empty when no hang was diagnosed, goes.
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["heartbeat_rank0.json", "heartbeat_rank1.json"]
 
 
 def test_zero2_gradients_are_the_predicted_partition(verify_run):

@@ -118,6 +118,16 @@ def watch_for_hangs(logs: Path, rank: int, phase: Phase):
     return stack_file
 
 
+def stop_watching(stack_file) -> None:
+    """After the last collective: a finished rank has no stack to show, so its empty dump file goes."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.unregister(signal.SIGUSR1)
+    stack_file.close()
+    path = Path(stack_file.name)
+    if path.stat().st_size == 0:
+        path.unlink()
+
+
 OUT_OF_MEMORY = "ran out of GPU memory"  # what `zerolens maxsize` looks for in a failed trial
 
 
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(config, local_rank)
         out = [Path(config.out) if config.out else default_run_folder()]
         dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
-        stack_file = watch_for_hangs(out[0] / "logs", rank, phase)  # open till the process ends  # noqa: F841
+        stack_file = watch_for_hangs(out[0] / "logs", rank, phase)  # open till the rank is done
         if rank == 0:
             report.write_json(out[0] / "env.json", environment(config, command, device))
         if args.job == "bench":
@@ -287,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         phase.name = "shutdown"
         dist.barrier()
         dist.destroy_process_group()
+        stop_watching(stack_file)
     except Exception as e:
         message = (out_of_memory_message(rank, phase, e) if isinstance(e, torch.OutOfMemoryError)
                    else f"rank {rank} failed during {phase}: {type(e).__name__}: {e}")
