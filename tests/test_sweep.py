@@ -4,14 +4,17 @@ import json
 
 from conftest import zerolens
 from zerolens.model import PRESETS, build_model
-from zerolens.sweep import across_n, across_n_checks, expected_share
+from zerolens.sweep import across_n, across_n_checks, expected_share, series
 from zerolens.theory import predict_retained
 
 
 def point(n: int, grads: int, predicted: int, losses: list[float], *, global_batch: int = 8,
           strategy: str = "zero2", unsharded: int = 1000) -> dict:
+    """A made-up sweep point: 500 parameters of 2 bytes, the largest 100 elements, 10 elements in
+    the rows of all parameters together."""
     return {"preset": "m", "reduce_bucket_size": 50_000_000, "world_size": n, "global_batch": global_batch,
-            "precision": "fp32", "strategies": {strategy: {
+            "precision": "fp32", "params": 500, "largest_param_elements": 100, "row_elements": 10,
+            "strategies": {strategy: {
                 "rank": 0, "grad_bytes_after_backward": grads, "predicted_grad_bytes_after_backward": predicted,
                 "unsharded_grad_bytes": unsharded, "losses": losses}}}
 
@@ -23,6 +26,9 @@ def test_gradients_at_1_over_n_plus_predicted_padding_pass_and_losses_compared_w
     assert [r["world_size"] for r in rows] == [1, 2, 4]  # ordered by N
     assert [r["gradients"]["expected"]["share"] for r in rows] == [1.0, 0.5, 0.25]
     assert [r["gradients"]["expected"]["padding_bytes"] for r in rows] == [0, 10, 10]
+    assert rows[1]["gradients"]["expected"]["unsharded_from"] == "measured at N=1"
+    # 1/N of 1000 bytes, plus 2 bytes x (two largest parameters of 100 + (N-1) rows of 10)
+    assert rows[2]["gradients"]["expected"]["envelope_bytes"] == [250, 250 + 2 * (200 + 3 * 10)]
     assert rows[0]["loss"] is None and rows[1]["loss"]["passed"] and rows[2]["loss"]["passed"]
     assert all(c["passed"] for c in across_n_checks(rows)) and len(across_n_checks(rows)) == 5
 
@@ -34,6 +40,22 @@ def test_gradients_off_the_prediction_or_losses_apart_fail():
     assert not rows[1]["loss"]["passed"]  # 0.1 apart in fp32
 
 
+def test_gradients_outside_the_envelope_fail_even_as_predicted():
+    # A layout model that predicted whole gradients at N=2 for a sharding strategy, or less than 1/N.
+    rows, _ = across_n([point(1, 1000, 1000, [2.0]), point(2, 1000, 1000, [2.0]), point(4, 200, 200, [2.0])])
+    assert [r["gradients"]["passed"] for r in rows] == [True, False, False]
+    assert "OUTSIDE" in rows[1]["gradients"]["detail"]
+    # DDP and ZeRO-0 keep the whole: nothing else is inside their envelope.
+    rows, _ = across_n([point(1, 1000, 1000, [2.0], strategy="ddp"), point(2, 990, 990, [2.0], strategy="ddp")])
+    assert not rows[1]["gradients"]["passed"]
+
+
+def test_without_n1_the_unsharded_bytes_are_predicted():
+    rows, _ = across_n([point(2, 510, 510, [2.0]), point(4, 260, 260, [2.0])])
+    assert {r["gradients"]["expected"]["unsharded_from"] for r in rows} == {"predicted for N=1"}
+    assert all(r["gradients"]["passed"] for r in rows)
+
+
 def test_losses_are_not_compared_when_the_global_batch_changes_with_n():
     rows, notes = across_n([point(1, 1000, 1000, [2.0], global_batch=8), point(2, 500, 500, [9.0], global_batch=16)])
     assert all(r["loss"] is None for r in rows)
@@ -43,6 +65,18 @@ def test_losses_are_not_compared_when_the_global_batch_changes_with_n():
 def test_whole_gradient_strategies_expect_the_whole_at_every_n():
     assert expected_share("ddp", 4) == expected_share("zero0", 4) == 1.0
     assert expected_share("zero1", 4) == expected_share("fsdp2", 4) == 0.25
+
+
+def test_series_groups_by_model_and_bucket_and_compares_with_the_smallest_n():
+    a, b = point(2, 510, 510, [2.0, 1.5]), point(4, 260, 260, [2.0, 1.5])
+    c = {**point(2, 510, 510, [2.0, 1.5]), "preset": "other"}
+    d = {**point(4, 260, 260, [2.0, 1.5]), "reduce_bucket_size": 1000}
+    assert [[(p["preset"], p["reduce_bucket_size"], p["world_size"]) for p in g] for g in series([b, d, c, a])] == \
+        [[("m", 1000, 4)], [("m", 50_000_000, 2), ("m", 50_000_000, 4)], [("other", 50_000_000, 2)]]
+    rows, _ = across_n([point(1, 1000, 1000, [2.0, 1.5]), point(2, 510, 510, [2.0, 1.7]),
+                        point(4, 260, 260, [2.0, 1.5])])
+    # N=4 equals N=1 (the smallest) and fails against N=2's: it is compared with N=1.
+    assert rows[2]["loss"]["name"].endswith("vs N=1)") and rows[2]["loss"]["passed"]
 
 
 def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
@@ -68,6 +102,8 @@ def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
     assert len(checks) == 6  # gradients at N=1 and N=3, loss at N=3, for two strategies
     assert all(c["passed"] for c in checks.values()), [c for c in checks.values() if not c["passed"]]
     assert "loss matches baseline (case-study, bucket 5e+07: zero2 at N=3 vs N=1)" in checks
+    grads = checks["gradients follow 1/N plus padding (case-study, bucket 5e+07, zero2, N=3)"]
+    assert grads["expected"]["unsharded_from"] == "measured at N=1"
     for name in ("sweep.md", "grad_vs_n.png", "peak_vs_n.png", "loss_vs_n.png", "loss.png"):
         assert (out / name).stat().st_size > 0, name
     text = (out / "sweep.md").read_text()

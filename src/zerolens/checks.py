@@ -4,6 +4,7 @@ Expected figures come from theory (theory.py) or from the baseline run, never fr
 """
 from __future__ import annotations
 
+import math
 from statistics import mean
 
 from .strategies import DTYPES
@@ -48,16 +49,23 @@ def moving_mean(values: list[float], window: int) -> list[float]:
 def loss_matches(name: str, losses: list[float], baseline: str, baseline_losses: list[float],
                  precision: str) -> dict:
     """The loss curve follows the baseline's: their moving means over loss_window(steps) steps
-    differ by at most LOSS_MATCH_TOLERANCE[precision] of the baseline's. The largest single-step
-    difference is reported beside it."""
-    w = min(loss_window(len(losses)), len(losses))
-    ours, theirs = moving_mean(losses, w), moving_mean(baseline_losses, w)
-    relative = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    differ by at most LOSS_MATCH_TOLERANCE[precision] of the baseline's (of 1, below a loss of 1,
+    so that a loss near zero does not make the test impossible). A loss that is not finite fails.
+    The largest single-step difference is reported beside it."""
+    tol = LOSS_MATCH_TOLERANCE[precision]
+    title = f"loss matches baseline ({name} vs {baseline})"
+    steps = min(len(losses), len(baseline_losses))
+    if not all(math.isfinite(v) for v in losses[:steps] + baseline_losses[:steps]) or steps == 0:
+        return check(title, False, measured={"steps": steps}, expected="finite losses",
+                     tolerance=f"moving means within {tol:.0e} of the baseline's ({precision})",
+                     detail="a loss is not finite (or there is none)")
+    w = min(loss_window(steps), steps)
+    ours, theirs = moving_mean(losses[:steps], w), moving_mean(baseline_losses[:steps], w)
+    relative = [abs(a - b) / max(abs(b), 1.0) for a, b in zip(ours, theirs)]
     worst = max(range(len(relative)), key=relative.__getitem__)
     step_diffs = [abs(a - b) for a, b in zip(losses, baseline_losses)]
     worst_step = max(range(len(step_diffs)), key=step_diffs.__getitem__)
-    tol = LOSS_MATCH_TOLERANCE[precision]
-    return check(f"loss matches baseline ({name} vs {baseline})", relative[worst] <= tol,
+    return check(title, relative[worst] <= tol,
                  measured={"max_relative_diff": relative[worst], "window_steps": w, "at_steps": [worst, worst + w - 1],
                            "max_abs_step_diff": step_diffs[worst_step], "at_step": worst_step},
                  expected=0.0,

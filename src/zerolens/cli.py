@@ -226,7 +226,7 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"zerolens sweep: {args.model or preset}, N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
         summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
         if summary is None:
-            failed.append(f"{preset} N={n} bucket {bucket:.0e}")
+            failed.append(f"{args.model or preset} N={n} bucket {bucket:.0e}")
             continue
         config = configs[(preset, n)]
         points.append(point_summary(summary, bucket, point_args.out, args.model or preset,

@@ -80,8 +80,10 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
     strategies = list(points[0]["strategies"])
     buckets = sorted({p["reduce_bucket_size"] for p in points})
     presets = list(dict.fromkeys(p["preset"] for p in points))
-    by_n = sorted((p for p in points if p["reduce_bucket_size"] == buckets[0] and p["preset"] == presets[0]),
-                  key=lambda p: p["world_size"])
+    # The plots over N follow the first point's model and bucket size (a pair that has points even
+    # when some of the sweep's points failed).
+    by_n = sorted((p for p in points if p["reduce_bucket_size"] == points[0]["reduce_bucket_size"]
+                   and p["preset"] == points[0]["preset"]), key=lambda p: p["world_size"])
     ns = [p["world_size"] for p in by_n]
     for key, ylabel, name in (("grad_bytes_after_backward", "gradient MiB per rank (largest rank)", "grad_vs_n.png"),
                               ("peak_bytes", "peak MiB per rank (largest rank)", "peak_vs_n.png")):
@@ -94,7 +96,7 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("ranks N")
         ax.set_xticks(ns)
         ax.set_ylabel(ylabel)
-        ax.set_title(presets[0] + (" (dashed: unsharded x 1/N, or whole)" if key == "grad_bytes_after_backward" else ""))
+        ax.set_title(by_n[0]["preset"] + (" (dashed: unsharded x 1/N, or whole)" if key == "grad_bytes_after_backward" else ""))
         ax.legend(fontsize=8)
         paths.append(_save(fig, out / name))
     paths.append(loss_vs_n_plot(by_n, out / "loss_vs_n.png"))
@@ -107,8 +109,8 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
         for s in strategies:
             rows = sorted((p[key], p["strategies"][s]["peak_bytes"]) for p in points
                           if p["world_size"] == n0 and p["strategies"][s]["peak_bytes"] is not None
-                          and (key == "params" or p["preset"] == presets[0])
-                          and (key == "reduce_bucket_size" or p["reduce_bucket_size"] == buckets[0]))
+                          and (key == "params" or p["preset"] == by_n[0]["preset"])
+                          and (key == "reduce_bucket_size" or p["reduce_bucket_size"] == by_n[0]["reduce_bucket_size"]))
             ax.plot([x for x, _ in rows], [v / MiB for _, v in rows], marker="o", label=s)
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)

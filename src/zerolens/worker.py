@@ -119,10 +119,10 @@ def watch_for_hangs(logs: Path, rank: int, phase: Phase):
 
 
 def stop_watching(stack_file) -> None:
-    """After the last collective: a finished rank has no stack to show, so its empty dump file goes."""
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.unregister(signal.SIGUSR1)
-    stack_file.close()
+    """After the last collective: a finished rank has no stack to show, so its empty dump file
+    goes. The handler stays registered till the process ends (a late SIGUSR1 from the watchdog
+    then writes to the unlinked file instead of killing the rank)."""
+    stack_file.flush()
     path = Path(stack_file.name)
     if path.stat().st_size == 0:
         path.unlink()
