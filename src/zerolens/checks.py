@@ -14,10 +14,11 @@ from .theory import zero_partition_layout
 # baseline's loss, by precision. Both see the same batches and run the same arithmetic, but
 # reductions happen in a different order (and over different partial sums at another N); in
 # 16-bit the rounding differences make the two trajectories jitter apart from one step to the
-# next while the curves stay together (2xH200, gpt-100m, bf16, 40 steps: 0.23 apart at one step,
-# at most 0.95% apart as 8-step means). So the curves are compared as moving means over
-# loss_window(steps) steps: a real difference in training (DeepSpeed 0.19's unpatched fp16 stage
-# 0 ended 9% above the others) persists through the mean, one step's jitter does not.
+# next while the curves stay together (2xH200, gpt-100m, bf16, 40 steps: 0.18 apart at one
+# step, at most 1.16% apart as 8-step means; docs/results/2xh200/n1-n2). So the curves are
+# compared as moving means over loss_window(steps) steps: a real difference in training
+# (DeepSpeed 0.19's unpatched fp16 stage 0 ended 8.5% above DDP) persists through the mean, one
+# step's jitter does not.
 LOSS_MATCH_TOLERANCE = {"fp32": 5e-4, "bf16": 0.02, "fp16": 0.01}
 # The loss has "clearly fallen" when the mean of the last steps is this much below the first's.
 MIN_RELATIVE_FALL = 0.05
