@@ -3,6 +3,7 @@ side, and checked across world sizes: gradient bytes per rank against 1/N, losse
 smallest N's."""
 from __future__ import annotations
 
+import math
 from itertools import groupby
 
 from .checks import check, loss_matches
@@ -20,7 +21,7 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
     """What the sweep keeps of one verify run: per strategy, the largest rank's figures (the rank
     holding the most gradient bytes), its prediction, the unsharded gradient bytes (the same
     strategy's prediction on one rank) and the losses."""
-    numels = [_numel(shape) for shape in param_shapes]
+    numels = [math.prod(shape) for shape in param_shapes]
     strategies = {}
     for name, s in summary["strategies"].items():
         top = max(s["ranks"], key=lambda r: r["grad_bytes_after_backward"])
@@ -52,13 +53,6 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
             "baseline": summary["baseline"],
             "device": summary["device"], "precision": summary["precision"], "verdict": summary["verdict"],
             "folder": folder, "strategies": strategies}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def expected_share(strategy: str, world_size: int) -> float:
