@@ -40,3 +40,40 @@ def test_losses_near_zero_and_not_finite():
     assert loss_matches("a", [1e-4, 1e-4], "b", [2e-4, 2e-4], "fp32")["passed"]  # below 1: absolute
     assert not loss_matches("a", [1.0, math.nan, 1.0], "b", [1.0, 1.0, 1.0], "fp32")["passed"]
     assert not loss_matches("a", [], "b", [], "fp32")["passed"]
+
+
+def test_metrics_complete_reads_every_ranks_own_file(tmp_path):
+    from zerolens.checks import metrics_complete
+    for rank in range(2):
+        lines = [json.dumps({"strategy": s, "rank": rank, "step": k, "loss": 1.0, "grad_bytes_after_backward": 8})
+                 for s in ("zero0", "zero2") for k in range(3)]
+        (tmp_path / f"metrics_rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    assert metrics_complete(tmp_path, ("zero0", "zero2"), 3, 2)["passed"]
+    assert not metrics_complete(tmp_path, ("zero0", "zero2"), 3, 3)["passed"]  # rank 2 wrote nothing
+    lines = (tmp_path / "metrics_rank1.jsonl").read_text().splitlines()
+    (tmp_path / "metrics_rank1.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # its last step is missing
+    result = metrics_complete(tmp_path, ("zero0", "zero2"), 3, 2)
+    assert not result["passed"] and "rank 1: 5 of 6" in result["detail"]
+
+
+def test_the_peak_check_says_how_much_was_named_only_by_allocating_code():
+    from zerolens.checks import peak_check
+    from zerolens.peaks import PEAK_COMPONENTS
+    parts = dict.fromkeys(PEAK_COMPONENTS, 0) | {"param": 600, "activation": 200, "deepspeed_transient": 150,
+                                                 "autograd_transient": 40, "unattributed": 6, "allocator_slack": 4}
+    result = peak_check("zero2", 0, "backward", {"components": parts, "allocator_peak": 1000})
+    assert result["passed"]
+    assert result["measured"]["attributed_by_tensor_bytes"] == 800
+    assert result["measured"]["attributed_by_allocating_code_bytes"] == 190
+    assert result["measured"]["share_attributed_by_allocating_code"] == 0.19
+    parts["unattributed"] = 60
+    assert not peak_check("zero2", 0, "backward", {"components": parts, "allocator_peak": 1000})["passed"]
+
+
+def test_gradient_bytes_wording_says_1_over_n_only_when_it_is_not():
+    from zerolens.checks import gradient_bytes_detail
+    from zerolens.theory import zero_partition_layout
+    even = zero_partition_layout([100, 100], 2)[0]
+    assert "exactly 1/2" in gradient_bytes_detail(200, 400, 2, even)
+    odd = zero_partition_layout([150, 50], 2)[1]
+    assert "not 1/2" in gradient_bytes_detail(300, 400, 2, odd)

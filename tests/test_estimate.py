@@ -58,3 +58,26 @@ def test_a_model_fsdp2_cannot_shard_is_a_user_error(capsys):
     assert main(["estimate", "--model", "zerolens_test_models:with_a_scalar", "--strategies", "fsdp2"]) == 2
     err = capsys.readouterr().err
     assert "0-dimensional parameter cannot be sharded" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_parameter_count_uses_the_same_layouts_as_the_sizes(capsys):
+    """--params: DDP keeps fp32 weights, gradients and its bucket copy, as in the layout mode."""
+    result = run_json(capsys, "--params", "1e9", "--nproc", "4")
+    ddp = result["strategies"]["ddp"]["components"]
+    assert (ddp["param_bytes"], ddp["grad_bytes_after_backward"], ddp["comm_buffer_bytes_after_backward"]) == (4e9,) * 3
+    sized = run_json(capsys, "--preset", "gpt-tiny", "--nproc", "4", "--precision", "fp16")
+    psi = sized["params"]
+    assert sized["strategies"]["ddp"]["ranks"][0]["param_bytes"] == 4 * psi  # fp32 in both modes
+    fp32 = run_json(capsys, "--params", "1e9", "--nproc", "4", "--precision", "fp32")
+    assert fp32["strategies"]["zero2"]["components"]["param_bytes"] == 4e9
+
+
+def test_the_default_precision_is_what_verify_runs_on_gpus(capsys):
+    assert run_json(capsys, "--preset", "gpt-1b")["precision"] == "bf16"
+    assert run_json(capsys, "--preset", "case-study")["precision"] == "fp16"
+
+
+def test_one_unit_per_table(capsys):
+    assert main(["estimate", "--preset", "gpt-1b"]) == 0
+    out = capsys.readouterr().out
+    assert "Per rank, GiB (1024-based)" in out and " MiB" not in out

@@ -53,7 +53,7 @@ def test_same_seed_same_losses_and_no_overwrite(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("not a run")
     refused = zerolens("verify", "--overwrite", "--out", str(tmp_path / "mine"), timeout=60)
-    assert refused.returncode == 2 and "does not look like a zerolens run folder" in refused.stderr
+    assert refused.returncode == 2 and "was not created by zerolens" in refused.stderr
     assert (tmp_path / "mine" / "notes.txt").exists()
 
 
@@ -64,7 +64,7 @@ def test_a_hang_on_one_rank_is_ended_by_the_timeout_and_named(tmp_path):
                       env={"ZEROLENS_FAULT": "rank=1,step=2,phase=backward,kind=hang"})
     assert result.returncode == 1, result.stdout + result.stderr
     assert "rank 1 during backward of zero0 at step 2 stopped answering" in result.stderr, result.stderr
-    assert "rank 0 during" in result.stderr and "waiting for it in a collective" in result.stderr
+    assert "rank 0 during" in result.stderr and "was waiting for it" in result.stderr
     assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
     assert "faults.py" in (out / "logs" / "stack_rank1.txt").read_text()
     assert time.monotonic() - start < 120
@@ -77,3 +77,36 @@ def test_a_failed_bench_is_marked_too(tmp_path):
     assert result.returncode == 1 and "rank 0 failed during forward of ddp at step 1" in result.stderr
     assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
     assert not (out / "bench.json").exists()
+
+
+def test_a_hang_before_the_process_group_exists_is_ended_too(tmp_path):
+    """Rank 1 hangs before init_process_group: rank 0 waits in the rendezvous. Nothing has trained;
+    the watchdog still ends both, from its own children rather than from heartbeat files."""
+    out = tmp_path / "hang-init"
+    start = time.monotonic()
+    result = zerolens("verify", "--steps", "6", "--timeout", "10", "--out", str(out), timeout=240,
+                      env={"ZEROLENS_FAULT": "rank=1,phase=init,kind=hang"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rank 1 during init stopped answering; rank 0 during init was waiting for it" in result.stderr, \
+        result.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_the_watchdog_ends_its_own_children_without_any_heartbeat(tmp_path):
+    """A worker that never wrote a heartbeat (hung while starting) is ended all the same: the
+    watchdog signals the processes it started, not PIDs read from files."""
+    import subprocess
+    import sys
+    from zerolens.launch import HangWatchdog, child_pids
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        assert child.pid in child_pids()
+        watchdog = HangWatchdog(tmp_path, nproc=2, timeout=1)
+        watchdog.start()
+        assert child.wait(timeout=30) != 0  # killed
+        watchdog.join(timeout=10)
+        assert "rank 0 before its first heartbeat" in watchdog.verdict
+        assert "rank 1 before its first heartbeat" in watchdog.verdict
+    finally:
+        if child.poll() is None:
+            child.kill()

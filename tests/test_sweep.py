@@ -33,6 +33,16 @@ def test_gradients_at_1_over_n_plus_predicted_padding_pass_and_losses_compared_w
     assert all(c["passed"] for c in across_n_checks(rows)) and len(across_n_checks(rows)) == 5
 
 
+def test_n1_is_held_against_the_prediction_alone():
+    """N=1's measurement is the reference of the other N's envelope; an envelope built from it would
+    hold it whatever it measured, so none is claimed for it."""
+    rows, _ = across_n([point(1, 1000, 1000, [2.0]), point(2, 510, 510, [2.0])])
+    assert rows[0]["gradients"]["passed"] and rows[0]["gradients"]["expected"]["envelope_bytes"] is None
+    assert "compared with the prediction only" in rows[0]["gradients"]["detail"]
+    rows, _ = across_n([point(1, 1000, 990, [2.0]), point(2, 510, 510, [2.0])])
+    assert not rows[0]["gradients"]["passed"]
+
+
 def test_gradients_off_the_prediction_or_losses_apart_fail():
     rows, _ = across_n([point(1, 1000, 1000, [2.0, 1.5]), point(2, 600, 510, [2.0, 1.6])])
     assert not rows[1]["gradients"]["passed"]

@@ -4,6 +4,7 @@ import sys
 import pytest
 
 from conftest import run, zerolens
+from zerolens.cli import main
 
 
 @pytest.mark.parametrize("args, message", [
@@ -67,3 +68,59 @@ def test_bad_timeout_and_fault_variable(tmp_path):
     result = zerolens("verify", "--timeout", "0", "--out", str(tmp_path / "run"), timeout=60)
     assert result.returncode == 2 and "--timeout must be positive" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be at least 1 element, got 0"),
+    (["verify", "--reduce-bucket-size", "-5"], "--reduce-bucket-size must be at least 1 element, got -5"),
+    (["verify", "--strategies", "zero0,zero2", "--ds-override", '{"zero_optimization": {"reduce_bucket_sise": 5}}'],
+     "zero0: DeepSpeed rejects its config: reduce_bucket_sise: Extra inputs are not permitted"),
+    (["verify", "--strategies", "zero2", "--ds-override", '{"zero_optimization": {"overlap_comm": "maybe"}}'],
+     "zero2: DeepSpeed rejects its config: overlap_comm: Input should be a valid boolean"),
+    (["sweep", "--nproc", "3"], "sweep takes its world sizes from --nproc-list, not --nproc"),
+    (["estimate", "--params", "inf"], "--params must be a positive, finite parameter count, got inf"),
+    (["estimate", "--params", "nan"], "--params must be a positive, finite parameter count, got nan"),
+    (["estimate", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be at least 1 element"),
+])
+def test_every_setting_is_checked_before_any_worker_starts(argv, message, tmp_path, capsys):
+    """In-process: these end before anything is launched or written."""
+    out = [] if argv[0] == "estimate" else ["--out", str(tmp_path / "run")]
+    assert main([*argv, *out]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("package, version, strategies", [
+    ("deepspeed", "0.15.4", "zero0,zero2"), ("deepspeed", "0.20.0", "zero2"), ("torch", "2.10.0", "ddp"),
+    ("torch", "2.14.0", "ddp,fsdp2")])
+def test_a_release_whose_layout_zerolens_does_not_know_is_refused(package, version, strategies, monkeypatch,
+                                                                  tmp_path, capsys):
+    import zerolens.compat
+    import zerolens.config
+    real = zerolens.compat.installed_version
+    monkeypatch.setattr(zerolens.compat, "installed_version", lambda p: version if p == package else real(p))
+    if package == "torch":
+        monkeypatch.setattr(zerolens.config.torch, "__version__", version)
+    assert main(["verify", "--strategies", strategies, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    low, high = zerolens.compat.SUPPORTED[package]
+    assert err.startswith(f"zerolens: {package} {version} is not supported")
+    assert f"{package}>={low[0]}.{low[1]},<{high[0]}.{high[1]}" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_installed_releases_are_supported_and_say_nothing(tmp_path, capsys):
+    import zerolens.compat
+    zerolens.compat.check_supported("torch")
+    zerolens.compat.check_supported("deepspeed")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_supported_ranges_match_pyproject():
+    import re
+    from conftest import REPO
+    import zerolens.compat
+    text = (REPO / "pyproject.toml").read_text()
+    for package in ("torch", "deepspeed"):
+        assert re.search(rf'"{re.escape(zerolens.compat.supported_range(package))}"', text), package

@@ -35,10 +35,48 @@ def test_bench_a_user_model(tmp_path):
     (["--model", "no_such_module:build", "--batch", "zerolens_test_models:tiny_batch"], "cannot load no_such_module:build"),
     (["--model", "zerolens_test_models:tiny_batch", "--batch", "zerolens_test_models:tiny_batch"], "--model/--batch:"),
     (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:wrong_batch"],
-     "returned 3 inputs and 3 targets for batch_size 2"),
+     "returned 17 inputs and 17 targets for batch_size 16"),  # the run's global batch: 8 per rank x 2
+    (["--model", "zerolens_test_models:tuple_output", "--batch", "zerolens_test_models:tiny_batch"],
+     "the model returned a tuple; zerolens needs its logits as one tensor"),
+    (["--model", "zerolens_test_models:dict_output", "--batch", "zerolens_test_models:tiny_batch"],
+     "the model returned a dict; zerolens needs its logits as one tensor"),
+    (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:per_token_targets"],
+     "the model's output (16, 4) and the batch's targets (16, 6) do not fit cross-entropy"),
     (USER + ["--depth", "3"], "change a preset, not a --model"),
 ])
 def test_user_model_mistakes(tmp_path, args, message):
     result = zerolens("verify", *args, "--out", str(tmp_path / "run"), timeout=60, env=ENV)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_mistakes_are_found_in_process_before_any_worker(tmp_path, capsys, monkeypatch):
+    """The same checks, called as a library (no subprocess): a tuple output is caught on the meta
+    device, and the message says what the contract wants."""
+    from zerolens.cli import main
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    assert main(["verify", "--model", "zerolens_test_models:tuple_output", "--batch",
+                 "zerolens_test_models:tiny_batch", "--out", str(tmp_path / "run")]) == 2
+    assert "logits as one tensor" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_model_module_in_the_current_folder_is_found(tmp_path, capsys, monkeypatch):
+    """`zerolens verify --model mymodel:build` from the folder holding mymodel.py, as `python -m` finds it."""
+    from zerolens.cli import main
+    (tmp_path / "mymodel_in_cwd.py").write_text((REPO / "tests" / "zerolens_test_models.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    assert main(["estimate", "--model", "mymodel_in_cwd:tiny_classifier", "--json"]) == 0
+    assert '"params"' in capsys.readouterr().out
+
+
+def test_batch_parameters_may_have_any_names(tmp_path):
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", "zerolens_test_models:tiny_classifier", "--batch",
+                      "zerolens_test_models:batch_named_otherwise", "--strategies", "ddp", "--steps", "6",
+                      "--out", str(out), timeout=300, env=ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    # 6 steps cannot tell whether the loss falls: said, not failed.
+    assert summary["verdict"] == "PASS" and [c["name"] for c in summary["not_checked"]] == ["loss fell"]
+    assert "NOT CHECKED loss fell: 6 steps are too few" in result.stdout

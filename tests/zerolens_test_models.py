@@ -48,3 +48,38 @@ def tiny_batch(step, batch_size, seed):
 def wrong_batch(step, batch_size, seed):
     import torch
     return torch.zeros(batch_size + 1, 6, dtype=torch.long), torch.zeros(batch_size + 1, dtype=torch.long)
+
+
+def tuple_output():
+    """Returns (logits, hidden), as many models do."""
+    class TupleOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_classifier()
+
+        def forward(self, tokens):
+            return self.inner(tokens), None
+    return TupleOut()
+
+
+def dict_output():
+    """Returns {"logits": ...}, as a Hugging Face model's output does."""
+    class DictOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_classifier()
+
+        def forward(self, tokens):
+            return {"logits": self.inner(tokens)}
+    return DictOut()
+
+
+def per_token_targets(step, batch_size, seed):
+    """Targets per token (batch, 6) for a model whose logits are per sample (batch, 4)."""
+    tokens, _ = tiny_batch(step, batch_size, seed)
+    return tokens, tokens % 4
+
+
+def batch_named_otherwise(i, n, s):
+    """The batch contract is positional: (step, batch_size, seed) under any names."""
+    return tiny_batch(i, n, s)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import time
 from statistics import median
 
@@ -22,8 +21,8 @@ from .config import VerifyConfig
 from .data import make_batch, rank_slice
 from .model import build_model, training_flops_per_token
 from .report import GiB, markdown_table
-from .strategies import Strategy, TrainSettings, make_strategy
-from .train import Phase
+from .strategies import Strategy
+from .train import Phase, progress_bar
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
 # reports. PCIe and NVL parts are slower than SXM: an unknown name gets no MFU (use --peak-tflops).
@@ -40,35 +39,27 @@ def datasheet_peak(device_name: str, precision: str) -> float | None:
     return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
-def bench_rank(config: VerifyConfig, settings: TrainSettings, device: torch.device, phase: Phase) -> list[dict]:
-    """This rank's step times, losses and peaks, one entry per strategy."""
+def bench_batches(config: VerifyConfig) -> list:
+    """This rank's micro-batch of every warm-up and timed step, made before any timing."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    total = config.warmup_steps + config.steps
-    batches = [rank_slice(*make_batch(config.model, step, seed=config.seed, batch_size=config.micro_batch * world_size,
-                                      signal=config.signal), rank, world_size) for step in range(total)]
-    progress = progress_bar(total * len(config.strategies)) if rank == 0 else contextlib.nullcontext()
-    results = []
-    with progress as bar:
-        for name in config.strategies:
-            results.append(bench_strategy(make_strategy(name, settings), config, batches, device, phase, bar))
-    return results
+    return [rank_slice(*make_batch(config.model, step, seed=config.seed, batch_size=config.micro_batch * world_size,
+                                   signal=config.signal), rank, world_size)
+            for step in range(config.warmup_steps + config.steps)]
 
 
-def progress_bar(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # a progress bar is a nicety, never a reason to fail
-        return contextlib.nullcontext()
-    # disable=None: drawn on a terminal, left out of logs and pipes.
-    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None)
+def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, device: torch.device, phase: Phase) -> dict:
+    """This rank's step times, losses and peak for one strategy."""
+    description = f"{strategy.name} (warm-up)" if config.warmup_steps else f"{strategy.name} (timed)"
+    with progress_bar(len(batches), description) if dist.get_rank() == 0 else contextlib.nullcontext() as bar:
+        return timed_steps(strategy, config, batches, device, phase, bar)
 
 
-def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, device: torch.device, phase: Phase,
-                   bar) -> dict:
+def timed_steps(strategy: Strategy, config: VerifyConfig, batches: list, device: torch.device, phase: Phase,
+                bar) -> dict:
     cuda = device.type == "cuda"
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
-    # What earlier strategies left allocated (DDP's buckets outlive it for a while: see train.py).
-    # It is inside this strategy's peak; bench.json says how much, and the table gives the bound.
+    # Under zerolens's launcher nothing is allocated here: a strategy that leaves memory behind ends
+    # its launch (worker.run_strategies). Under another launcher it can be, and bench.json says so.
     allocated_at_start = torch.cuda.memory_allocated() if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -78,8 +69,6 @@ def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, devi
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(config.seed + 1 + dist.get_rank())
     seconds, losses = [], []
-    if bar is not None:
-        bar.set_description(f"{strategy.name} (warm-up {config.warmup_steps})")
     for step, (tokens, labels) in enumerate(batches):
         phase.step = step
         synchronize(device)
@@ -95,6 +84,8 @@ def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, devi
         losses.append(loss.detach().float())
         if bar is not None:
             bar.update(1)
+            if step + 1 == config.warmup_steps:
+                bar.set_description(f"{strategy.name} (timed)")
     phase.step, phase.name = -1, "loss all-reduce"
     local_losses = torch.stack(losses)
     dist.all_reduce(local_losses)
@@ -137,18 +128,21 @@ def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int,
         step_time = median(step_seconds[config.warmup_steps:])
         tflops = flops_per_token * tokens_per_step / config.nproc / step_time / 1e12 if flops_per_token else None
         peaks = [r["peak_bytes"] for r in per_rank]
+        # Another launcher ran it after a strategy that left memory allocated: that memory is in these
+        # peaks, which are then kept aside under a name that says so, never reported as its own.
+        earlier = max(r.get("earlier_strategies_left_bytes", 0) for r in per_rank)
         strategies[name] = {
             "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
             "warmup_step_times_s": step_seconds[:config.warmup_steps],
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
             "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
-            "peak_bytes": max(peaks) if None not in peaks else None, "peak_bytes_per_rank": peaks,
-            "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank],
-            # Allocated before setup, left by the strategies run earlier in this process: part of
-            # peak_bytes as long as it stays allocated. peak - this is a lower bound of the peak.
+            "peak_bytes": max(peaks) if None not in peaks and not earlier else None,
+            "peak_bytes_per_rank": peaks if not earlier else [None] * len(peaks),
+            "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank] if not earlier else None,
             "allocated_at_start_bytes_per_rank": [r["allocated_at_start_bytes"] for r in per_rank],
-            "peak_bytes_lower_bound": (max(r["peak_bytes"] - r["allocated_at_start_bytes"] for r in per_rank)
-                                       if None not in peaks else None),
+            "earlier_strategies_left_bytes": earlier,
+            "peak_bytes_including_earlier_strategies_per_rank": peaks if earlier else None,
+            "left_allocated_after_teardown_bytes": per_rank[0].get("left_allocated_by_this_strategy_bytes", 0),
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
         }
     for s in strategies.values():
@@ -187,11 +181,13 @@ def render_bench(summary: dict, command: str) -> str:
             "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
     notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
     for name, s in summary["strategies"].items():
-        left = [b or 0 for b in s["allocated_at_start_bytes_per_rank"]]
-        if max(left) > 0:
-            notes += (f"\n- {name}: started with {max(left) / GiB:.2f} GiB still allocated by earlier strategies "
-                      f"(largest rank), inside its peak while it stays allocated; its peak without it is at least "
-                      f"{s['peak_bytes_lower_bound'] / GiB:.2f} GiB. Run it first for a clean figure.")
+        if s["earlier_strategies_left_bytes"]:
+            notes += (f"\n- {name}: started with {s['earlier_strategies_left_bytes'] / GiB:.2f} GiB left allocated by "
+                      "earlier strategies in the same processes (a launcher other than zerolens's), so its peak is not "
+                      "reported; run it in a launch of its own.")
+        elif s["left_allocated_after_teardown_bytes"] and name != list(summary["strategies"])[-1]:
+            notes += (f"\n- {name} left {s['left_allocated_after_teardown_bytes'] / GiB:.3f} GiB allocated after its "
+                      "teardown: the strategies after it ran in fresh processes, so it is in none of their peaks.")
     return f"""# zerolens bench
 
 Command: `{command}`

@@ -22,6 +22,10 @@ from .theory import zero_partition_layout
 LOSS_MATCH_TOLERANCE = {"fp32": 5e-4, "bf16": 0.02, "fp16": 0.01}
 # The loss has "clearly fallen" when the mean of the last steps is this much below the first's.
 MIN_RELATIVE_FALL = 0.05
+# Shorter runs cannot show it reliably: the case study's model, bf16 or fp16, N=1..4, fell by 4-5%
+# at 20 steps (its batches' losses jitter) and by 6-8% at 40 (committed runs, docs/results). Below
+# this the check is not made, and the run says so, rather than fail a correct memory result.
+MIN_STEPS_TO_JUDGE_LEARNING = 40
 
 
 def check(name: str, passed: bool, measured, expected, tolerance: str, detail: str = "") -> dict:
@@ -102,12 +106,19 @@ def zero_gradient_checks(name: str, ranks: list[dict], baseline_ranks: list[dict
             measured={"bytes": held, "ratio_to_baseline": held / baseline_held},
             expected={"bytes": expected, "ratio_to_baseline": expected / baseline_held},
             tolerance="exact (0 bytes)",
-            detail=(f"{held / baseline_held:.3f} of the baseline's bytes, not 1/{n}: the buffer keeps the "
-                    f"{len(part.overlapping_params)} parameters that overlap the rank's slice whole, "
-                    f"{part.grad_buffer_elements} elements for a {part.partition_elements}-element partition"
-                    + (f", plus {part.padding_elements} elements of alignment padding" if part.padding_elements
-                       else ""))))
+            detail=gradient_bytes_detail(held, baseline_held, n, part)))
     return out
+
+
+def gradient_bytes_detail(held: int, baseline_held: int, n: int, part) -> str:
+    """Why a rank holds the share of the baseline's gradient bytes that it does."""
+    share = f"{held / baseline_held:.3f} of the baseline's bytes"
+    padding = f", plus {part.padding_elements} elements of alignment padding" if part.padding_elements else ""
+    if held * n == baseline_held:
+        return f"{share}, exactly 1/{n}: the parameters that overlap the rank's slice fill it exactly{padding}"
+    return (f"{share}, not 1/{n}: the buffer keeps the {len(part.overlapping_params)} parameters that overlap the "
+            f"rank's slice whole, {part.grad_buffer_elements} elements for a {part.partition_elements}-element "
+            f"partition{padding}")
 
 
 def prediction_check(name: str, rank: dict) -> dict:
@@ -158,22 +169,67 @@ def allocator_check(name: str, rank: dict) -> dict:
 
 # At each phase's peak, the bytes no component accounts for, as a fraction of the peak.
 PEAK_UNEXPLAINED_TOLERANCE = 0.05
+# How each component of a peak is known (peaks.py): by the address of a tensor the census or a
+# saved-tensor hook holds; by a measurement made elsewhere (cuBLAS workspaces, earlier leftovers);
+# or only by the code that allocated the block (catch-alls such as "any DeepSpeed frame" or "a
+# backward allocation with no Python frame").
+BY_TENSOR = ("param", "grad", "optimizer_state", "comm_buffer", "activation")
+BY_MEASUREMENT = ("workspace_and_earlier",)
+BY_ALLOCATING_CODE = ("deepspeed_transient", "fsdp_transient", "optimizer_transient", "autograd_transient",
+                      "forward_transient")
 
 
 def peak_check(name: str, rank: int, phase: str, anatomy: dict) -> dict:
-    """CUDA, last step: the components at the peak (peaks.py) account for the allocator's own peak
-    statistic within 5%. Unexplained: bytes no census, hook or allocating code names, plus the
-    allocator's rounding of requested sizes."""
+    """CUDA, last step. What it proves: replaying the allocator's recorded events reproduces the
+    allocator's own peak, and every block alive at that instant is attributed, within 5% of the
+    peak. Not every attribution is equally strong: the figures say how much was named by tensor
+    and how much only by the code that allocated it."""
     parts = anatomy["components"]
     peak = anatomy["allocator_peak"]
     unexplained = parts["unattributed"] + parts["allocator_slack"]
-    named = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items()
-                      if v and k not in ("unattributed", "allocator_slack"))
-    return check(f"peak explained by components ({name}, rank {rank}, {phase})",
+    by_tensor = sum(parts[k] for k in BY_TENSOR)
+    by_measurement = sum(parts[k] for k in BY_MEASUREMENT)
+    by_code = sum(parts[k] for k in BY_ALLOCATING_CODE)
+    share = by_code / peak if peak else 0.0
+    return check(f"peak replayed and attributed ({name}, rank {rank}, {phase})",
                  abs(unexplained) <= PEAK_UNEXPLAINED_TOLERANCE * peak,
-                 measured={"unexplained_bytes": unexplained, "components": parts},
+                 measured={"unexplained_bytes": unexplained, "attributed_by_tensor_bytes": by_tensor,
+                           "attributed_by_measurement_bytes": by_measurement,
+                           "attributed_by_allocating_code_bytes": by_code,
+                           "share_attributed_by_allocating_code": share, "components": parts},
                  expected={"allocator_peak_bytes": peak},
                  tolerance=f"|unattributed + allocator rounding| <= {PEAK_UNEXPLAINED_TOLERANCE:.0%} of the allocator's peak",
-                 detail=f"allocator's peak {peak / 2**20:.1f} MiB = {named} MiB; unattributed "
-                        f"{parts['unattributed'] / 2**20:.2f} MiB, allocator rounding "
+                 detail=f"allocator's peak {peak / 2**20:.1f} MiB, replayed from its events: {by_tensor / 2**20:.1f} MiB "
+                        f"named tensors, {by_measurement / 2**20:.1f} MiB cuBLAS workspaces and earlier, "
+                        f"{by_code / 2**20:.1f} MiB ({share:.1%}) attributed only by the code that allocated it; "
+                        f"unattributed {parts['unattributed'] / 2**20:.2f} MiB, allocator rounding "
                         f"{parts['allocator_slack'] / 2**20:.2f} MiB")
+
+
+def metrics_complete(out, strategies: tuple[str, ...], steps: int, nproc: int) -> dict:
+    """Each rank wrote its own metrics file (metrics_rank<r>.jsonl), with one record for every
+    strategy and step, each with the figures the summary is built from. Read back from the run
+    folder, independently of the results gathered on rank 0."""
+    from pathlib import Path
+    import json
+    wanted = {(name, step) for name in strategies for step in range(steps)}
+    problems = []
+    for rank in range(nproc):
+        path = Path(out) / f"metrics_rank{rank}.jsonl"
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as e:
+            problems.append(f"rank {rank}: {path.name} unreadable ({type(e).__name__})")
+            continue
+        seen = [(r.get("strategy"), r.get("step")) for r in records
+                if r.get("rank") == rank and "loss" in r and "grad_bytes_after_backward" in r]
+        missing = wanted - set(seen)
+        if missing or len(seen) != len(wanted):
+            problems.append(f"rank {rank}: {len(wanted - missing)} of {len(wanted)} (strategy, step) records"
+                            + (f", {len(seen) - len(set(seen))} repeated" if len(seen) != len(set(seen)) else ""))
+    return check("every rank's metrics are complete", not problems,
+                 measured={"ranks_complete": nproc - len(problems), "problems": problems},
+                 expected={"ranks": nproc, "records_per_rank": len(wanted)},
+                 tolerance="every strategy and step, on every rank",
+                 detail="; ".join(problems) if problems else
+                 f"{nproc} ranks x {len(strategies)} strategies x {steps} steps in metrics_rank<r>.jsonl")

@@ -3,20 +3,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
 from . import __version__, report
-from .config import UserError, add_bench_arguments, add_verify_arguments, config_from_args, parse_strategies
+from .config import PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, config_from_args, parse_strategies
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
 from .faults import fault_from_environment
 from .model import PRESETS
 from .strategies import STRATEGIES
 from .launch import WorkersFailed, launch_local
-from .worker import OUT_OF_MEMORY, default_run_folder
+from .runfolder import default_run_folder, new_run_folder
+from .worker import OUT_OF_MEMORY, results_path
 
 
 USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
@@ -33,23 +34,6 @@ def verify_parser(subparsers) -> None:
                                           "measure per-rank memory, and check ZeRO's claims.")
     add_verify_arguments(p)
     p.set_defaults(func=verify_command)
-
-
-def new_run_folder(out: Path, overwrite: bool = False) -> Path:
-    """An empty run folder. An existing one is replaced only with --overwrite, and only if it is a
-    zerolens run folder (it holds config.json, env.json or sweep.json)."""
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"run folder {out} already exists and is not empty; choose another --out, "
-                            "or replace it with --overwrite")
-        if not any((out / name).exists() for name in ("config.json", "env.json", "sweep.json", "maxsize.json")):
-            raise UserError(f"--overwrite: {out} does not look like a zerolens run folder; not deleting it")
-        shutil.rmtree(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create run folder {out}: {e.strerror}") from None
-    return out
 
 
 def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -95,9 +79,17 @@ def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: st
     if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     worker_args = [*job_argv, "--job", job, "--device", config.device, "--nproc", str(config.nproc),
-                   "--out", str(out), "--fail-exit-code", "0", "--command", command]
-    launch_local(config.nproc, worker_args, verbose=config.verbose, logs=out / "logs",
-                 timeout=getattr(args, "timeout", None))
+                   "--out", str(out), "--fail-exit-code", "0", "--command", command, "--resume"]
+    # A launch ends early after a strategy that left memory allocated (worker.run_strategies); the
+    # strategies after it get fresh processes, so that it is in none of their peaks.
+    remaining = len(config.strategies)
+    while remaining:
+        launch_local(config.nproc, worker_args, verbose=config.verbose, logs=out / "logs",
+                     timeout=getattr(args, "timeout", None), backend="nccl" if config.device == "cuda" else "gloo")
+        left = sum(not results_path(out, name).exists() for name in config.strategies)
+        if left >= remaining:  # a launch that ended cleanly must have finished at least one
+            raise WorkersFailed(f"the workers ended without results for {left} strategies")
+        remaining = left
     return json.loads((out / ("bench.json" if job == "bench" else "summary.json")).read_text())
 
 
@@ -202,6 +194,8 @@ def int_list(text: str, flag: str) -> list[int]:
 def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     from .model import parameter_shapes
     from .sweep import across_n, across_n_checks, point_summary, render_sweep
+    if args.nproc is not None:
+        raise UserError("sweep takes its world sizes from --nproc-list, not --nproc")
     ns = int_list(args.nproc_list, "--nproc-list")
     buckets = int_list(args.reduce_bucket_sizes, "--reduce-bucket-sizes") if args.reduce_bucket_sizes else \
         [int(args.reduce_bucket_size)]
@@ -286,7 +280,9 @@ def estimate_parser(subparsers) -> None:
     source.add_argument("--params", type=float, help="a raw parameter count, e.g. 7.5e9 (the paper's formulas)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
-    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
+                   help="default: what verify runs on GPUs (fp16 for case-study, bf16 for the other presets and "
+                        "your model; fp16 with --params, the ZeRO paper's)")
     p.add_argument("--reduce-bucket-size", type=float, default=5e7)
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     p.set_defaults(func=estimate_command)
@@ -296,15 +292,20 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
     strategies = parse_strategies(args.strategies)
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.params is not None and args.params <= 0:
-        raise UserError(f"--params must be positive, got {args.params}")
+    if args.params is not None and not (math.isfinite(args.params) and args.params >= 1):
+        raise UserError(f"--params must be a positive, finite parameter count, got {args.params}")
+    if not (math.isfinite(args.reduce_bucket_size) and args.reduce_bucket_size >= 1):
+        raise UserError(f"--reduce-bucket-size must be at least 1 element, got {args.reduce_bucket_size}")
     try:
         shapes = (None if args.params is not None else
                   param_shapes_from_factory(args.model) if args.model else preset_shapes(args.preset or "case-study"))
     except ValueError as e:
         raise UserError(str(e)) from None
     try:
-        result = estimate(strategies=strategies, world_size=args.nproc, precision=args.precision,
+        precision = args.precision or ("fp16" if args.params is not None else
+                                       PRESET_GPU_PRECISION.get(None if args.model else args.preset or "case-study",
+                                                                "bf16"))
+        result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params)
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
@@ -331,3 +332,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("zerolens: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `zerolens estimate | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -6,15 +6,22 @@ are asserts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
+import logging
+import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from .model import PRESETS, ModelConfig, parameter_shapes
-from .strategies import STRATEGIES
+from .compat import check_supported
+from .errors import UserError
+from .model import PRESETS, ModelConfig, parameter_shapes, user_model
+from .strategies import STRATEGIES, TrainSettings, make_strategy
 
 
 # AdamW's learning rate per preset. 1e-4 is the case study's. At width 1024 without warm-up it
@@ -28,10 +35,6 @@ PRESET_LR = {"case-study": 1e-4, "case-study-130m": 1e-5, "gpt-tiny": 1e-3, "gpt
 # so their losses parted by up to 0.7 (2xH200).
 PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-tiny": "bf16", "gpt-100m": "bf16",
                         "gpt-350m": "bf16", "gpt-1b": "bf16"}
-
-
-class UserError(ValueError):
-    """A bad flag or an impossible configuration: reported in one line, exit code 2."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +91,8 @@ class VerifyConfig:
             raise UserError(f"--gradient-clipping must be 0 (off) or positive, got {self.gradient_clipping}")
         if self.micro_batch < 1:
             raise UserError(f"--micro-batch must be at least 1, got {self.micro_batch}")
+        if self.reduce_bucket_size < 1:
+            raise UserError(f"--reduce-bucket-size must be at least 1 element, got {self.reduce_bucket_size}")
         if self.device not in ("cpu", "cuda"):
             raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.precision not in ("fp16", "bf16", "fp32"):
@@ -101,6 +106,49 @@ class VerifyConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def train_settings(self) -> TrainSettings:
+        """What every strategy trains with."""
+        return TrainSettings(precision=self.precision, lr=self.lr, micro_batch=self.micro_batch,
+                             world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
+                             gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
+                             user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose)
+
+
+def check_deepspeed_configs(config: VerifyConfig) -> None:
+    """Each zero strategy's DeepSpeed config, as it will be passed to deepspeed.initialize, through
+    DeepSpeed's own config model: a bad value (a bucket of 0 elements, a misspelt key in --ds-config
+    or --ds-override) ends here in one line rather than in the workers after other strategies trained."""
+    os.environ.setdefault("DS_ACCELERATOR", config.device)  # saves DeepSpeed a probe and a warning
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from deepspeed.runtime.config import DeepSpeedConfig
+    # DeepSpeed logs its config at INFO, to a handler bound to stdout when it was imported.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    settings = config.train_settings()
+    for name in config.strategies:
+        if not name.startswith("zero"):
+            continue
+        ds_config = make_strategy(name, settings).ds_config()
+        # DeepSpeed checks train_batch_size against the world size it finds, which is 1 here (no process
+        # group); the batch arithmetic over the ranks is checked by check_user_ds_config.
+        ds_config = {**ds_config, "train_batch_size": ds_config.get("train_micro_batch_size_per_gpu", 1)
+                     * ds_config.get("gradient_accumulation_steps", 1)}
+        try:
+            DeepSpeedConfig(ds_config)
+        except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts and ValueErrors
+            raise UserError(f"{name}: DeepSpeed rejects its config: {one_line_error(e)}") from None
+
+
+def one_line_error(error: Exception) -> str:
+    """A pydantic ValidationError's first error as "where: what (input ...)", anything else's first line."""
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        with contextlib.suppress(Exception):
+            first = errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            return f"{where}: {first['msg']} (got {first.get('input')!r})"
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def parse_strategies(text: str) -> tuple[str, ...]:
@@ -235,9 +283,10 @@ def ds_override_from_json(text: str | None) -> dict:
     return value
 
 
-def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """--model module:factory with --batch module:function, checked here (the model built on the
-    meta device, one batch drawn) so that a mistake ends in one line before any worker starts."""
+def user_model_from_args(args: argparse.Namespace, global_batch: int) -> ModelConfig:
+    """--model module:factory with --batch module:function, checked here so that a mistake ends in
+    one line before any worker starts: the model is built and run on the meta device (no memory, no
+    arithmetic) on the run's first global batch, and its output goes through the loss."""
     if not args.batch:
         raise UserError("--model needs --batch module:function: how zerolens makes inputs and targets (README)")
     if any(v is not None for v in (args.width, args.depth, args.heads, args.seq_len)) or args.activation_checkpointing \
@@ -245,29 +294,59 @@ def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
         raise UserError("--width/--depth/--heads/--seq-len/--activation-checkpointing/--compile change a preset, "
                         "not a --model")
     model = ModelConfig(kind="user", factory=args.model, batch=args.batch)
-    from .data import make_batch
     try:
-        if not parameter_shapes(model):
-            raise ValueError(f"{args.model} has no parameters")
-        make_batch(model, 0, seed=0, batch_size=2, signal=0.0)
+        check_model_contract(model, global_batch, args.seed)
+    except UserError:
+        raise
     except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
-        raise UserError(f"--model/--batch: {e}") from None
+        raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
     return model
 
 
-def model_from_args(args: argparse.Namespace) -> ModelConfig:
+def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> None:
+    """What zerolens needs of a user's model and batch function (README, "Your own model"): a batch
+    of `global_batch` rows (inputs, integer targets), and logits as one tensor that cross-entropy
+    can compare with the targets. Run on the meta device; a model whose forward needs real values
+    there (data-dependent shapes, .item()) is left to the workers."""
+    from .data import make_batch
+    from .strategies import loss_of
+    if not parameter_shapes(model):
+        raise UserError(f"--model {model.factory}: the model has no parameters")
+    inputs, targets = make_batch(model, 0, seed=seed, batch_size=global_batch, signal=0.0)
+    with torch.device("meta"):
+        module = user_model(model)
+    try:
+        output = module(inputs.to("meta"))
+    except (NotImplementedError, RuntimeError) as e:
+        if "meta" in str(e) or isinstance(e, NotImplementedError):
+            return  # cannot run on the meta device: the workers will run it for real
+        raise
+    if not isinstance(output, torch.Tensor):
+        raise UserError(f"--model {model.factory}: the model returned a {type(output).__name__}; zerolens needs "
+                        "its logits as one tensor (..., classes): return them alone (e.g. `.logits` or `[0]` of "
+                        "a Hugging Face output, in a small wrapper module)")
+    try:
+        loss_of(output, targets.to("meta"))
+    except Exception as e:
+        raise UserError(f"--model/--batch: the model's output {tuple(output.shape)} and the batch's targets "
+                        f"{tuple(targets.shape)} do not fit cross-entropy ({one_line_error(e)}); zerolens compares "
+                        "logits (..., classes) with integer targets (...) of the same leading shape, for a global "
+                        f"batch of {global_batch} rows") from None
+
+
+def model_from_args(args: argparse.Namespace, global_batch: int) -> ModelConfig:
     """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
-    or the user's model."""
+    or the user's model, checked on a global batch of `global_batch` rows."""
     if getattr(args, "model", None):
-        return user_model_from_args(args)
+        return user_model_from_args(args, global_batch)
     model = PRESETS[args.preset]
     changes = {}
-    for flag, field, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
-                               ("--heads", "num_heads", args.heads), ("--seq-len", "seq_len", args.seq_len)):
+    for flag, name, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
+                              ("--heads", "num_heads", args.heads), ("--seq-len", "seq_len", args.seq_len)):
         if value is not None:
             if value < 1:
                 raise UserError(f"{flag} must be at least 1, got {value}")
-            changes[field] = value
+            changes[name] = value
     if args.activation_checkpointing:
         changes["activation_checkpointing"] = True
     if args.compile:
@@ -298,8 +377,12 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         raise UserError(f"--device cuda with {nproc} processes needs {nproc} GPUs, but {gpus} are visible; {fix}")
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or ("zero0" if "zero0" in strategies else strategies[0])
-    if any(s.startswith("zero") for s in strategies) and importlib.util.find_spec("deepspeed") is None:
-        raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp,fsdp2-grad,fsdp2)")
+    check_supported("torch", torch.__version__)
+    uses_deepspeed = any(s.startswith("zero") for s in strategies)
+    if uses_deepspeed:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp,fsdp2-grad,fsdp2)")
+        check_supported("deepspeed")
     precision, note = args.precision, ""
     if precision is None:
         # A user's model: bf16 on GPU, which needs no loss scaling.
@@ -315,7 +398,11 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         if args.global_batch % nproc:
             raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
         micro_batch = args.global_batch // nproc
-    return VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
+    if micro_batch < 1:
+        raise UserError(f"--micro-batch must be at least 1, got {micro_batch}")
+    if not math.isfinite(args.reduce_bucket_size):
+        raise UserError(f"--reduce-bucket-size must be a number of elements, got {args.reduce_bucket_size}")
+    config = VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
                         precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
                         micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
                         gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
@@ -323,6 +410,9 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
                         job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
                         memory_limit_gib=getattr(args, "memory_limit_gib", None),
-                        preset=args.model or args.preset, model=model_from_args(args), out=args.out,
-                        verbose=args.verbose,
+                        preset=args.model or args.preset, model=model_from_args(args, micro_batch * nproc),
+                        out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
+    if uses_deepspeed:
+        check_deepspeed_configs(config)
+    return config

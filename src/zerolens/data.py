@@ -36,10 +36,11 @@ def make_batch(model: ModelConfig, step: int, *, seed: int, batch_size: int,
 
 
 def user_batch(spec: str, step: int, *, seed: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Your batch function (--batch module:function), called as function(step=, batch_size=, seed=).
-    It must return (inputs, targets): tensors on the CPU with batch_size rows, the same for the same
-    arguments (every rank calls it and takes its own rows), targets integer class indices."""
-    result = load_user_function(spec)(step=step, batch_size=batch_size, seed=seed)
+    """Your batch function (--batch module:function), called as function(step, batch_size, seed),
+    positionally, so its parameters may have any names. It must return (inputs, targets): tensors on
+    the CPU with batch_size rows, the same for the same arguments (every rank calls it and takes its
+    own rows), targets integer class indices."""
+    result = load_user_function(spec)(step, batch_size, seed)
     if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
         raise ValueError(f"{spec} must return a tuple (inputs, targets) of tensors")
     inputs, targets = result

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from .model import PRESETS, load_user_function, parameter_shapes
-from .strategies import STRATEGIES
-from .theory import (RETAINED_KEYS, deepspeed_estimator, paper_model_states, predict_retained,
+from .theory import (ELEMENT_BYTES, RETAINED_KEYS, deepspeed_estimator, paper_model_states, predict_retained,
                      transient_reduce_bucket_bytes)
 
 # The ZeRO paper's stage whose formula applies. Both FSDP2 modes keep parameters, gradients and
@@ -49,10 +48,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                                                                    max(param_numels) if param_numels else 0)
                                                if name.startswith("zero") else None)}
         if param_numels is None:
-            shard = world_size if stage == 3 else 1
-            entry["paper_components"] = {
-                "param_bytes": 2 * psi / shard, "grad_bytes": 2 * psi / (world_size if stage >= 2 else 1),
-                "optimizer_state_bytes": 12 * psi / (world_size if stage >= 1 else 1)}
+            entry["components"] = unpadded_components(name, psi, world_size, precision)
             entry["ranks"] = None
         else:
             ranks = []
@@ -70,37 +66,70 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     return out
 
 
-def human(n: float | None) -> str:
-    """MiB below 1 GiB, GiB above; both 1024-based."""
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.3f} MiB"
+def unpadded_components(strategy: str, psi: float, world_size: int, precision: str) -> dict:
+    """Per-rank bytes by component from a parameter count alone: the same layouts as
+    theory.predict_retained (DDP's fp32 weights and gradients under autocast and its bucket copy;
+    DeepSpeed's 16-bit weights with fp32 masters; FSDP2's fp32 shards) without the padding and
+    partition-boundary terms, which need the parameters' sizes."""
+    e, n = ELEMENT_BYTES[precision], world_size
+    fp32_masters = 4 if e == 2 else 0
+    layouts = {
+        "ddp": (4 * psi, 4 * psi, 8 * psi, 4 * psi),
+        "zero0": (e * psi, e * psi, (fp32_masters + 8) * psi, 0),
+        "zero1": (e * psi, e * psi / n, 12 * psi / n, 0),
+        "zero2": (e * psi, e * psi / n, 12 * psi / n, 0),
+        "zero3": (e * psi / n, e * psi / n, 12 * psi / n, 0),
+        "fsdp2-grad": (4 * psi / n, 4 * psi / n, 8 * psi / n, 0),
+        "fsdp2": (4 * psi / n, 4 * psi / n, 8 * psi / n, 0),
+    }
+    params, grads, states, buffers = layouts[strategy]
+    return {"param_bytes": params, "grad_bytes_after_backward": grads, "optimizer_state_bytes": states,
+            "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states}
+
+
+def unit_for(values) -> tuple[float, str]:
+    """One unit for a whole table, 1024-based: GiB when its largest figure reaches 1 GiB, else MiB."""
+    largest = max((v for v in values if v is not None), default=0)
+    return (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
+
+
+def fmt(n: float | None, unit: float) -> str:
+    return "-" if n is None else f"{n / unit:,.3f}"
 
 
 def render_estimate(result: dict) -> str:
     from .report import markdown_table
     n, psi = result["world_size"], result["params"]
     lines = [f"zerolens estimate: {psi:,.0f} parameters, {n} ranks, {result['precision']}"]
-    if next(iter(result["strategies"].values()))["ranks"] is None:
-        rows = [[name, human(e["paper_components"]["param_bytes"]), human(e["paper_components"]["grad_bytes"]),
-                 human(e["paper_components"]["optimizer_state_bytes"]), human(e["paper_model_states_bytes"]),
-                 human(e["deepspeed_estimator_bytes"])] for name, e in result["strategies"].items()]
-        lines += ["ZeRO paper's formulas per rank (16-bit weights and gradients, K = 12): parameter sizes unknown, "
-                  "so no padding, partition-boundary or bucket terms.", "",
-                  markdown_table(["strategy", "params", "gradients", "optimizer states", "model states (paper)",
+    entries = result["strategies"]
+    if next(iter(entries.values()))["ranks"] is None:
+        keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
+                "retained_total_bytes")
+        unit, label = unit_for([e["components"][k] for e in entries.values() for k in keys]
+                               + [e["paper_model_states_bytes"] for e in entries.values()])
+        rows = [[name, *(fmt(e["components"][k], unit) for k in keys), fmt(e["paper_model_states_bytes"], unit),
+                 f"{e['paper_model_states_bytes'] / 1e9:,.1f}", fmt(e["deepspeed_estimator_bytes"], unit)]
+                for name, e in entries.items()]
+        lines += [f"Per rank, {label} (1024-based), from the parameter count alone: each strategy's layout in zerolens "
+                  "without padding or partition-boundary terms (they need the parameters' sizes: use --preset or "
+                  "--model). The ZeRO paper's model states are for 16-bit weights and gradients with K = 12, also in "
+                  "GB (10^9 bytes), the paper's unit. Activations are not included.", "",
+                  markdown_table(["strategy", "params", "grads after backward", "optimizer states",
+                                  "buffers kept", "retained total", "model states (paper)", "paper (GB)",
                                   "DeepSpeed estimator"], rows)]
         return "\n".join(lines)
-    rows = []
-    for name, e in result["strategies"].items():
+    shown = []
+    for name, e in entries.items():
         ranks = e["ranks"]
         largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))
-        for r in [ranks[0]] + ([largest] if largest is not ranks[0] else []):
-            rows.append([name, r["rank"], human(r["param_bytes"]), human(r["grad_bytes_after_backward"]),
-                         human(r["grad_bytes_after_step"]), human(r["optimizer_state_bytes"]),
-                         human(r["comm_buffer_bytes_after_backward"]), human(r["transient_reduce_bucket_bytes"]),
-                         human(e["paper_model_states_bytes"]), human(e["deepspeed_estimator_bytes"])])
-    lines += ["Per rank, from the real layout (padding, partition boundaries, buckets); rank 0 and the rank "
-              "holding the most gradients. Activations are not included.", "",
+        shown += [(name, e, r) for r in [ranks[0]] + ([largest] if largest is not ranks[0] else [])]
+    keys = ("param_bytes", "grad_bytes_after_backward", "grad_bytes_after_step", "optimizer_state_bytes",
+            "comm_buffer_bytes_after_backward", "transient_reduce_bucket_bytes")
+    unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [e["paper_model_states_bytes"] for e in entries.values()])
+    rows = [[name, r["rank"], *(fmt(r[k], unit) for k in keys), fmt(e["paper_model_states_bytes"], unit),
+             fmt(e["deepspeed_estimator_bytes"], unit)] for name, e, r in shown]
+    lines += [f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets); rank 0 "
+              "and the rank holding the most gradients. Activations are not included.", "",
               markdown_table(["strategy", "rank", "params", "grads after backward", "grads after step",
                               "optimizer states", "comm buffers kept", "reduce bucket in backward",
                               "model states (paper)", "DeepSpeed estimator"], rows)]

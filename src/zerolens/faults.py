@@ -1,6 +1,7 @@
 """Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom|hang".
 
-At the start of phase P (forward, backward or step) of step K on rank R, of every strategy, the
+At the start of phase P (forward, backward or step) of step K on rank R, of every strategy, or
+before the process group exists (phase init, no step), the
 rank raises (`crash`: a RuntimeError; `oom`: torch.OutOfMemoryError with the allocator's usual
 message, so that the out-of-memory report can be tested on a CPU) or stops answering (`hang`:
 sleeps until killed). Unset, nothing happens.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-PHASES = ("forward", "backward", "step")
+PHASES = ("init", "forward", "backward", "step")
 KINDS = ("crash", "oom", "hang")
 
 
@@ -28,7 +29,8 @@ class Fault:
 def parse_fault(text: str) -> Fault:
     try:
         fields = dict(item.split("=", 1) for item in text.split(",") if item.strip())
-        fault = Fault(rank=int(fields["rank"]), step=int(fields["step"]), phase=fields["phase"], kind=fields["kind"])
+        step = int(fields["step"]) if fields.get("phase") != "init" else int(fields.get("step", -1))
+        fault = Fault(rank=int(fields["rank"]), step=step, phase=fields["phase"], kind=fields["kind"])
     except (KeyError, ValueError):
         raise ValueError(f"ZEROLENS_FAULT must look like rank=1,step=2,phase=backward,kind=crash; got {text!r}") from None
     if fault.phase not in PHASES or fault.kind not in KINDS:

@@ -28,7 +28,7 @@ class WorkersFailed(RuntimeError):
 
 
 def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, logs: Path | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, backend: str = "gloo") -> None:
     """Runs `python -m zerolens.worker *worker_args` on `nproc` local ranks; raises WorkersFailed.
     With `timeout`, the ranks' heartbeats and stacks in `logs` (worker.py) feed the hang watchdog."""
     if not verbose:
@@ -39,7 +39,7 @@ def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, l
         # As `torchrun --standalone`: a c10d store on a free local port, never a fixed 29500.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",
         max_restarts=0, monitor_interval=0.5, start_method="spawn")
-    watchdog = HangWatchdog(logs, nproc, timeout) if timeout and logs is not None else None
+    watchdog = HangWatchdog(logs, nproc, timeout, backend) if timeout and logs is not None else None
     if watchdog:
         watchdog.start()
     try:
@@ -68,28 +68,70 @@ def _describe(rank: int, failure) -> str:
     return message
 
 
-# A rank whose innermost Python frame is in one of these is waiting for the others.
-COLLECTIVE_CODE = ("/torch/distributed/", "/deepspeed/comm/")
+# A rank whose innermost Python frame is in one of these is waiting for the others: inside a
+# collective (gloo blocks there), or, on NCCL, where collectives run on the GPU and return at once,
+# waiting for the device (a synchronize, or the copy of a result to the host) that the collective
+# holds up.
+WAITING_CODE = ("/torch/distributed/", "/deepspeed/comm/", "/torch/cuda/")
+
+
+def child_pids() -> list[int]:
+    """The processes this one started and has not yet reaped: the launcher's workers. A child's PID
+    cannot be reused before its parent reaps it, so signalling these never hits a stranger."""
+    me, children = os.getpid(), []
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                # /proc/<pid>/stat: pid (comm) state ppid ...; comm may hold spaces and parentheses.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == me:
+                children.append(int(entry.name))
+        return children
+    with contextlib.suppress(OSError, ValueError):  # macOS and other systems without /proc
+        import subprocess
+        out = subprocess.run(["pgrep", "-P", str(me)], capture_output=True, text=True, timeout=10).stdout
+        children = [int(pid) for pid in out.split()]
+    return children
+
+
+def signal_children(sig: int) -> None:
+    """`sig` to each worker and everything it started: torch's launcher starts each worker in a
+    session of its own, so its process group holds its descendants."""
+    for pid in child_pids():
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
 
 
 class HangWatchdog(threading.Thread):
     """Ends the run when no rank's heartbeat (logs/heartbeat_rank<r>.json) has changed for
-    `timeout` seconds, and says which rank stopped answering."""
+    `timeout` seconds since this launch began, heartbeats or not, and says which rank stopped
+    answering. It ends this process's own children, the workers, never a PID read from a file."""
 
-    def __init__(self, logs: Path, nproc: int, timeout: float):
+    def __init__(self, logs: Path, nproc: int, timeout: float, backend: str = "gloo"):
         super().__init__(daemon=True, name="zerolens-hang-watchdog")
-        self.logs, self.nproc, self.timeout = logs, nproc, timeout
+        self.logs, self.nproc, self.timeout, self.backend = logs, nproc, timeout, backend
         self.stop = threading.Event()
         self.verdict: str | None = None
         self.started = time.time()
 
     def heartbeats(self) -> dict[int, dict]:
+        """This launch's heartbeats (an earlier launch's, in the same run folder, are older than it)."""
         beats = {}
         for rank in range(self.nproc):
             try:
-                beats[rank] = json.loads((self.logs / f"heartbeat_rank{rank}.json").read_text())
+                beat = json.loads((self.logs / f"heartbeat_rank{rank}.json").read_text())
             except (OSError, ValueError):
-                pass  # not started yet
+                continue  # not started yet
+            if beat["time"] >= self.started:
+                beats[rank] = beat
         return beats
 
     def run(self):
@@ -98,32 +140,31 @@ class HangWatchdog(threading.Thread):
             last = max([self.started, *(b["time"] for b in beats.values())])
             if time.time() - last >= self.timeout:
                 self.verdict = self.diagnose(beats)
-                for beat in beats.values():
-                    with contextlib.suppress(OSError):
-                        os.kill(beat["pid"], signal.SIGKILL)
+                signal_children(signal.SIGKILL)
                 return
 
     def diagnose(self, beats: dict[int, dict]) -> str:
-        for beat in beats.values():  # each rank dumps its stack (faulthandler, worker.py)
-            with contextlib.suppress(OSError):
-                os.kill(beat["pid"], signal.SIGUSR1)
+        signal_children(signal.SIGUSR1)  # each rank dumps its Python stack (faulthandler, worker.py)
         time.sleep(2)
         stuck, waiting = [], []
         for rank in range(self.nproc):
-            if rank not in beats:
-                stuck.append(f"rank {rank} never started training")
-                continue
-            (waiting if self.in_collective(rank) else stuck).append(f"rank {rank} during {beats[rank]['where']}")
+            where = f"during {beats[rank]['where']}" if rank in beats else "before its first heartbeat"
+            (waiting if self.waiting(rank) else stuck).append(f"rank {rank} {where}")
         said = f"no rank made progress for {self.timeout:.0f} s (--timeout): "
+        ended = f"all ranks ended (stacks in {self.logs})"
         if stuck and waiting:
-            return said + f"{', '.join(stuck)} stopped answering; {', '.join(waiting)} was waiting for it " \
-                          f"in a collective; all ranks ended (stacks in {self.logs})"
-        return said + "; ".join(stuck + waiting) + f"; all ranks ended (stacks in {self.logs})"
+            verb = "was" if len(waiting) == 1 else "were"
+            return said + f"{', '.join(stuck)} stopped answering; {', '.join(waiting)} {verb} waiting for it; {ended}"
+        if self.backend == "nccl" and len(stuck) > 1:
+            return said + "; ".join(stuck) + ("; which rank stopped first cannot be told from their stacks (on NCCL a "
+                                              f"rank waits for a collective outside any Python call); {ended}")
+        return said + "; ".join(stuck + waiting) + f"; {ended}"
 
-    def in_collective(self, rank: int) -> bool:
+    def waiting(self, rank: int) -> bool:
+        """The rank's innermost Python frame is in a collective or waits for the device."""
         try:
             dump = (self.logs / f"stack_rank{rank}.txt").read_text()
         except OSError:
             return False
         frames = [line for line in dump.splitlines() if line.strip().startswith("File ")]
-        return bool(frames) and any(code in frames[0] for code in COLLECTIVE_CODE)
+        return bool(frames) and any(code in frames[0] for code in WAITING_CODE)

@@ -182,14 +182,21 @@ def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
 
 
 def load_user_function(spec: str):
-    """`module:function` -> the function (the module must be importable: on sys.path or PYTHONPATH,
-    in every rank's environment). ValueError says what is wrong."""
+    """`module:function` -> the function. The module is looked up as `python -m` would: in the
+    current folder first, then on sys.path (PYTHONPATH). ValueError says what is wrong."""
     import importlib
+    import os
+    import sys
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise ValueError(f"expected module:function, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the `zerolens` script, unlike `python -m`, leaves it out
     try:
         function = getattr(importlib.import_module(module_name), name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot load {spec}: {e} (looked in the current folder {os.getcwd()} and on "
+                         "PYTHONPATH)") from None
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load {spec}: {e}") from None
     if not callable(function):

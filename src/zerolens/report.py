@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .checks import census_after_step, unexplained_bytes
+from .checks import BY_ALLOCATING_CODE, census_after_step, unexplained_bytes
 
 MiB = 1024 ** 2  # output is in MiB, 1024-based; bytes everywhere else
 GiB = 1024 ** 3
@@ -92,6 +92,7 @@ def checks_text(summary: dict) -> str:
     for c in summary["checks"]:
         lines.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: {c['detail']} "
                      f"(tolerance: {c['tolerance']})")
+    lines += [f"- NOT CHECKED {c['name']}: {c['why']}" for c in summary.get("not_checked", [])]
     return "\n".join(lines)
 
 
@@ -124,12 +125,14 @@ def peak_section(summary: dict) -> str:
         r = s["ranks"][0]
         for phase, anatomy in (r.get("peak_anatomy") or {}).items():
             parts = anatomy["components"]
-            rows.append([name, phase, mib(anatomy["allocator_peak"]), *(mib(parts[k]) for k in PEAK_COLUMNS)])
+            by_code = sum(parts[k] for k in BY_ALLOCATING_CODE)
+            rows.append([name, phase, mib(anatomy["allocator_peak"]), *(mib(parts[k]) for k in PEAK_COLUMNS),
+                         ratio(by_code, anatomy["allocator_peak"])])
             sources += [f"- {name}, {phase}: " + "; ".join(f"{src} {mib(b)}" for src, b in
                                                            anatomy["largest_transients"].items())]
     if not rows:
         return ""
-    table = markdown_table(["strategy", "phase", "peak", *PEAK_COLUMNS.values()], rows)
+    table = markdown_table(["strategy", "phase", "peak", *PEAK_COLUMNS.values(), "share named only by code"], rows)
     return f"""
 ### At each peak, by component (last step, rank 0, MiB)
 Replayed from the allocator's recorded events (requested sizes); every block alive at the peak \
@@ -137,7 +140,10 @@ is named by an address map taken while it was alive (census, saved-tensor hooks)
 temporaries, by the code that allocated it. "cuBLAS workspace + earlier" is memory allocated \
 before the phase that no census holds, up to the measured workspaces and earlier strategies' \
 leftovers; beyond that it is unattributed. "allocator rounding": the allocator's peak less the \
-replayed one (block sizes are rounded up from requests).
+replayed one (block sizes are rounded up from requests). The transients are named only by the code \
+that allocated them (any DeepSpeed or FSDP frame, the optimizer's, a backward allocation with no \
+Python frame): "share named only by code" is their part of the peak; the rest is named by tensor \
+or measured.
 
 {table}
 
@@ -175,13 +181,26 @@ of a tensor-allocation tracker (torch's MemTracker) on the last step.
 """
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Read once: os.umask can only be read by setting it, which is not safe once threads run.
+UMASK = _umask()
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    """Write to a temporary file in the same folder, then rename: never a half-written file. The
+    file gets the mode an ordinary write would give it (mkstemp's is 0600, which would hide run
+    folders from teammates on a shared file system)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

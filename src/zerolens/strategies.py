@@ -96,6 +96,56 @@ def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, cli
     return scale_before is None or scaler.get_scale() >= scale_before
 
 
+def undo_wrapper_init_step(engine) -> str | None:
+    """DeepSpeed's 16-bit optimizers without ZeRO (FP16_UnfusedOptimizer, FP16_Optimizer) run one
+    step of the wrapped optimizer on zero gradients in their constructor (initialize_optimizer_states).
+    For AdamW that sets its step counter to 1 before any training, so the first updates get the bias
+    correction of later steps (about 0.74x, 0.86x, 0.91x of the update for a steady gradient), and
+    weight decay shrinks the fp32 master weights once. ZeRO-1/2/3 take no such step. Where the
+    wrapped optimizer holds state right after initialize (the behaviour, whatever the release), the
+    state is cleared and the masters are copied again from the 16-bit weights they were made from.
+    Returns the wrapper's name where this was done, else None."""
+    wrapper, inner = engine.optimizer, engine.basic_optimizer
+    if wrapper is inner or inner is None or not any(inner.state.values()):
+        return None
+    kind = type(wrapper).__name__
+    with torch.no_grad():
+        if kind == "FP16_UnfusedOptimizer":  # a fp32 master per parameter
+            for low, high in zip(required(wrapper, "fp16_groups"), required(wrapper, "fp32_groups")):
+                for p, master in zip(low, high):
+                    master.copy_(p)
+        elif kind == "FP16_Optimizer":  # one flat fp32 master per group
+            for low, high in zip(required(wrapper, "fp16_groups_flat"), required(wrapper, "fp32_groups_flat")):
+                high.copy_(low)
+        else:
+            raise MeasurementError(f"DeepSpeed's {kind} stepped its optimizer before training; zerolens does not "
+                                   "know how to undo that for this wrapper")
+    inner.state.clear()
+    return kind
+
+
+def loss_scale(optimizer) -> float:
+    """The current fp16 loss scale of a DeepSpeed 16-bit optimizer (its attribute moved in 0.19)."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    return float(required(config, "cur_scale") if config is not None else required(optimizer, "cur_scale"))
+
+
+def loss_factor_of_backward(engine, params: list[torch.Tensor]) -> float:
+    """By what factor engine.backward() multiplies the loss it is given: the gradient that reaches a
+    zero-valued probe loss, built from every parameter. The probe's zero gradients are dropped."""
+    probe = torch.stack([p.reshape(-1)[0].float() for p in params]).sum() * 0.0
+    seen = []
+    probe.register_hook(lambda grad: seen.append(float(grad)))
+    engine.backward(probe)
+    engine.optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+    if not seen:
+        raise MeasurementError("engine.backward() of a probe loss did not reach the loss; cannot tell how "
+                               "this DeepSpeed scales it")
+    return seen[0]
+
+
 class Strategy(abc.ABC):
     name: str
 
@@ -232,6 +282,7 @@ class DeepSpeedZero(Strategy):
         with quiet:
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                         config=self.ds_config())
+        self.undid_init_step = undo_wrapper_init_step(self.engine)
         self.scale_loss_ourselves = self._engine_forgets_fp16_loss_scale()
 
     def _engine_forgets_fp16_loss_scale(self) -> bool:
@@ -239,25 +290,34 @@ class DeepSpeedZero(Strategy):
         and no ZeRO its FP16_(Unfused)Optimizer.step() divides the gradients by the loss scale
         (65536), so Adam sees gradients 65536x too small and the baseline trains slower (measured on
         2xH200: final loss 2.04 against 1.87 for DDP and ZeRO-1/2/3). DeepSpeed PR #8393 fixes it by
-        scaling the loss in engine.backward(); until then we scale it here. Limited to 0.19.x, the
-        release this was read in, so that a fixed release is never scaled twice."""
-        import deepspeed
+        scaling the loss in engine.backward(). Rather than trust a version number, we watch what
+        engine.backward() does: a backward of a zero-valued probe loss, whose own gradient is the
+        factor the engine multiplied it by. 1 where the scale is not 1: the engine forgets it, and
+        we scale the loss ourselves (never twice: a release that scales it is seen to)."""
         from deepspeed.runtime.base_optimizer import ZeROOptimizer
-        major_minor = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
-        return (self.engine.fp16_enabled() and not isinstance(self.engine.optimizer, ZeROOptimizer)
-                and getattr(self.engine, "torch_autocast_z0_gradscaler", None) is None
-                and major_minor == (0, 19))
+        optimizer = self.engine.optimizer
+        if not self.engine.fp16_enabled() or isinstance(optimizer, ZeROOptimizer):
+            return False  # bf16 and fp32 need no scaling; ZeRO optimizers scale the loss themselves
+        scale = loss_scale(optimizer)
+        if scale == 1:
+            return False  # nothing to tell apart, and nothing lost
+        return loss_factor_of_backward(self.engine, [p for p in self.module.parameters() if p.requires_grad]) == 1
 
     def notes(self):
         notes = []
         user_stage = (self.settings.user_ds_config.get("zero_optimization") or {}).get("stage")
         if user_stage not in (None, "auto", self.stage):
             notes.append(f"{self.name}: --ds-config says stage {user_stage}; {self.name} runs stage {self.stage}")
-        if not getattr(self, "scale_loss_ourselves", False):  # known after setup
-            return notes
-        return notes + [f"{self.name}: DeepSpeed 0.19 does not scale the fp16 loss in engine.backward() without ZeRO but "
-                "divides the gradients by the loss scale at step (DeepSpeed PR #8393); zerolens scales the loss "
-                "itself so that this baseline trains correctly"]
+        if getattr(self, "undid_init_step", None):  # known after setup
+            notes.append(f"{self.name}: DeepSpeed's {self.undid_init_step} ran one optimizer step on zero gradients "
+                         "when it was built (initialize_optimizer_states), so AdamW's first real update would use "
+                         "the bias correction of its second; zerolens cleared that state and restored the fp32 master "
+                         "weights, so that this baseline trains the same AdamW as the other strategies")
+        if getattr(self, "scale_loss_ourselves", False):
+            notes.append(f"{self.name}: this DeepSpeed does not scale the fp16 loss in engine.backward() without ZeRO "
+                         "but divides the gradients by the loss scale at step (DeepSpeed PR #8393); zerolens saw it "
+                         "do so and scales the loss itself so that this baseline trains correctly")
+        return notes
 
     def forward_loss(self, tokens, labels):
         logits = self.engine(tokens.to(self.device))
@@ -265,7 +325,7 @@ class DeepSpeedZero(Strategy):
 
     def backward(self, loss):
         if self.scale_loss_ourselves:
-            loss = loss * required(self.engine.optimizer, "loss_scale_config").cur_scale
+            loss = loss * loss_scale(self.engine.optimizer)
         self.engine.backward(loss)
 
     def step(self):

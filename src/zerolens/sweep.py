@@ -114,6 +114,18 @@ def gradient_check(where: str, name: str, point: dict, unsharded: tuple[int, str
     element_bytes = unsharded_bytes / point["params"]
     slack = element_bytes * (2 * point["largest_param_elements"] + (n - 1) * point["row_elements"]) \
         if name in SHARDS_GRADIENTS and n > 1 else 0
+    if n == 1 and source == "measured at N=1":
+        # N=1 is the reference the envelope of the other N is built from: against itself it would
+        # pass whatever was measured, so N=1 is held against the prediction alone.
+        return check(
+            f"gradients follow {'1/N' if name in SHARDS_GRADIENTS else 'whole'} plus padding ({where}, {name}, N=1)",
+            held == predicted,
+            measured={"bytes": held, "share_of_unsharded": 1.0, "rank": s["rank"]},
+            expected={"bytes": predicted, "share": 1.0, "share_bytes": ideal, "padding_bytes": predicted - ideal,
+                      "unsharded_bytes": unsharded_bytes, "unsharded_from": source, "envelope_bytes": None},
+            tolerance="exactly the prediction (0 bytes); no envelope at N=1, the reference of the other N",
+            detail=f"rank 0 holds {mib(held)} MiB, predicted {mib(predicted)} MiB; N=1 is the unsharded reference "
+                   "of the other N, so it is compared with the prediction only")
     within = ideal <= held <= ideal + slack
     return check(
         f"gradients follow {'1/N' if name in SHARDS_GRADIENTS else 'whole'} plus padding ({where}, {name}, N={n})",

@@ -5,6 +5,7 @@ import contextlib
 import gc
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,16 @@ def write_heartbeat(path: Path, where: str) -> None:
     tmp.replace(path)  # the watchdog never reads half a file
 
 
+def progress_bar(total: int, description: str = ""):
+    """A progress bar on stderr, drawn only on a terminal (left out of logs and pipes)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a progress bar is a nicety, never a reason to fail
+        return contextlib.nullcontext()
+    return tqdm(total=total, desc=description, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False,
+                disable=None)
+
+
 @dataclass
 class StrategyRun:
     name: str
@@ -67,14 +78,14 @@ def still_referenced_wrappers() -> list[str]:
     """Diagnosis for memory an earlier strategy left allocated: the data-parallel wrappers still
     alive after their strategy's teardown, and the types of what refers to them."""
     alive = [o for o in gc.get_objects() if isinstance(o, torch.nn.parallel.DistributedDataParallel)]
-    return [f"DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
+    return ["DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
                                                                if r is not alive}))
             for o in alive]
 
 
 def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int, seed: int, signal: float,
                    micro_batch: int, device: torch.device, phase: Phase) -> StrategyRun:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     probe = MemoryProbe(device)
     run = StrategyRun(strategy.name)
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
@@ -92,6 +103,24 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
     # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
     torch.manual_seed(seed + 1 + rank)
     start = time.perf_counter()
+    with progress_bar(steps, strategy.name) if rank == 0 else contextlib.nullcontext() as bar:
+        run_steps(strategy, run, probe, phase, model_config=model_config, steps=steps, seed=seed, signal=signal,
+                  micro_batch=micro_batch, device=device, leftover_blocks=leftover_blocks, bar=bar)
+    run.seconds = time.perf_counter() - start
+    phase.step, phase.name = -1, "teardown"
+    del model
+    strategy.teardown()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run
+
+
+def run_steps(strategy: Strategy, run: StrategyRun, probe: MemoryProbe, phase: Phase, *, model_config: ModelConfig,
+              steps: int, seed: int, signal: float, micro_batch: int, device: torch.device,
+              leftover_blocks: dict[int, int], bar) -> None:
+    """The training steps of one strategy, each measured; the last in detail."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     for step in range(steps):
         phase.step = step
         tokens, labels = make_batch(model_config, step, seed=seed, batch_size=micro_batch * world_size,
@@ -145,13 +174,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         record["local_loss"] = loss.item()
         run.losses.append(record["loss"])
         run.records.append(record)
-    run.seconds = time.perf_counter() - start
-    phase.step, phase.name = -1, "teardown"
+        if bar is not None:
+            bar.update(1)
     # The last loss's graph reaches the parameters, and through DeepSpeed's hooks the whole
-    # optimizer: drop it before collecting, or this strategy's memory outlives it.
-    del loss, local_loss, model
-    strategy.teardown()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return run
+    # optimizer: it goes with this function's frame, before the strategy is torn down.

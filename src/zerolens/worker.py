@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import faulthandler
 import io
+import json
 import logging
 import os
 import platform
@@ -21,7 +22,6 @@ import subprocess
 import sys
 import traceback
 import warnings
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -32,7 +32,9 @@ from . import report
 from .config import UserError, VerifyConfig, add_bench_arguments, add_verify_arguments, config_from_args
 from .faults import fault_from_environment
 from .model import parameter_shapes
-from .strategies import TrainSettings, make_strategy
+from .runfolder import default_run_folder, is_run_folder, new_run_folder
+from .strategies import make_strategy
+from .checks import metrics_complete
 from .summary import build_summary
 from .train import Phase, train_strategy
 
@@ -51,16 +53,10 @@ def worker_parser() -> argparse.ArgumentParser:
     # `zerolens verify` turns the verdict into its own exit code, so it asks for 0 here.
     parser.add_argument("--fail-exit-code", type=int, default=1, help="exit code of rank 0 on FAIL (default 1)")
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    # Started by `zerolens`: the run folder exists; strategies with results in it are done; the
+    # launch ends after a strategy that left memory allocated, and zerolens starts the rest anew.
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     return parser
-
-
-def default_run_folder() -> Path:
-    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -161,41 +157,116 @@ def environment(config: VerifyConfig, command: str, device: torch.device) -> dic
             "zerolens_commit": git_commit(), "zerolens_fault": os.environ.get("ZEROLENS_FAULT")}
 
 
-def train_settings(config: VerifyConfig) -> TrainSettings:
-    return TrainSettings(precision=config.precision, lr=config.lr, micro_batch=config.micro_batch,
-                         world_size=config.nproc, reduce_bucket_size=config.reduce_bucket_size,
-                         gradient_clipping=config.gradient_clipping, fused_adam=config.fused_adam,
-                         user_ds_config=config.ds_config, ds_override=config.ds_override, verbose=config.verbose)
-
-
-def write_config(out: Path, command: str, config: VerifyConfig, settings: TrainSettings) -> None:
+def write_config(out: Path, command: str, config: VerifyConfig) -> None:
     """config.json: the command, every setting, and each backend's own settings (DeepSpeed configs)."""
+    settings = config.train_settings()
     report.write_json(out / "config.json", {"command": command, **config.to_json(),
                                             "strategy_settings": {n: make_strategy(n, settings).describe()
                                                                   for n in config.strategies}})
 
 
-def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase,
-              quiet: bool = False) -> None:
-    from .bench import bench_rank, bench_summary, render_bench
+def results_path(out: Path, strategy: str) -> Path:
+    """One strategy's results, gathered from every rank (rank r's at index r)."""
+    return out / "results" / f"{strategy}.json"
+
+
+def memory_left_behind(device: torch.device, allocated_before: int) -> int:
+    """CUDA: bytes a strategy left allocated after its teardown, the most of any rank (0 on CPU, where
+    the peaks come from a tracker that sees only the tensors of its own strategy). cuBLAS workspaces
+    are dropped first: every strategy allocates its own on its first matrix product."""
+    if device.type != "cuda":
+        return 0
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.synchronize()
+    left = torch.tensor([torch.cuda.memory_allocated() - allocated_before], device=device)
+    dist.all_reduce(left, op=dist.ReduceOp.MAX)
+    return max(0, int(left.item()))
+
+
+def run_strategy(job: str, name: str, config: VerifyConfig, device: torch.device, phase: Phase,
+                 batches: list | None) -> dict:
+    """This rank's results for one strategy: trained and measured (verify) or timed (bench)."""
+    strategy = make_strategy(name, config.train_settings())
+    if job == "bench":
+        from .bench import bench_strategy
+        return bench_strategy(strategy, config, batches, device, phase)
+    result = train_strategy(strategy, model_config=config.model, steps=config.steps, seed=config.seed,
+                            signal=config.signal, micro_batch=config.micro_batch, device=device, phase=phase)
+    return {"losses": result.losses, "records": result.records, "seconds": result.seconds,
+            "settings": strategy.describe(), "notes": result.notes,
+            "allocated_at_start": result.allocated_at_start, "leftover_sources": result.leftover_sources}
+
+
+def append_metrics(out: Path, rank: int, records: list[dict]) -> None:
+    """This rank's per-step records, appended to its own metrics file (written whole each time)."""
+    path = out / f"metrics_rank{rank}.jsonl"
+    before = path.read_text() if path.exists() else ""
+    report.write_atomic(path, before + "".join(json.dumps(r) + "\n" for r in records))
+
+
+def run_strategies(job: str, config: VerifyConfig, device: torch.device, out: Path, phase: Phase,
+                   stop_on_leftover: bool) -> bool:
+    """Runs, one after another, every strategy that has no results in `out` yet; rank 0 writes each
+    one's results as soon as it is done. A strategy that leaves memory allocated after its teardown
+    (DDP's buckets have, on CUDA) would put it in the next one's peak: with `stop_on_leftover` this
+    launch then ends, and `zerolens` starts fresh processes for the rest. Returns True when every
+    strategy has results."""
     rank = dist.get_rank()
-    settings = train_settings(config)
-    if rank == 0:
-        write_config(out, command, config, settings)
-    if rank == 0 and not quiet:
-        print(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-              f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
-              f"run folder {out}", flush=True)
-    results = bench_rank(config, settings, device, phase)
-    phase.strategy, phase.step, phase.name = "-", -1, "gathering results"
-    gathered = [None] * config.nproc
-    dist.all_gather_object(gathered, results)
-    if rank != 0:
-        return
-    phase.name = "writing the report"
+    todo = [[n for n in config.strategies if not results_path(out, n).exists()] if rank == 0 else None]
+    dist.broadcast_object_list(todo)  # rank 0's view of the run folder, for every rank
+    todo = todo[0]
+    batches = None
+    if job == "bench":
+        from .bench import bench_batches
+        batches = bench_batches(config)
+    left_by_earlier = 0
+    for i, name in enumerate(todo):
+        allocated_before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        result = run_strategy(job, name, config, device, phase, batches)
+        result["earlier_strategies_left_bytes"] = left_by_earlier
+        phase.strategy, phase.step = name, -1
+        if job == "verify":
+            phase.name = "writing metrics"
+            append_metrics(out, rank, result["records"])
+        phase.name = "gathering results"
+        gathered = [None] * config.nproc
+        dist.all_gather_object(gathered, result)
+        phase.name = "measuring what is left"
+        left = memory_left_behind(device, allocated_before)
+        if rank == 0:
+            report.write_json(results_path(out, name), {"strategy": name, "left_allocated_bytes": left,
+                                                        "ranks": gathered})
+            if job == "verify":
+                losses = gathered[0]["losses"]
+                print(f"zerolens: {name} done in {max(g['seconds'] for g in gathered):.1f} s, loss "
+                      f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        left_by_earlier += left
+        if left and stop_on_leftover and i + 1 < len(todo):
+            if rank == 0:
+                print(f"zerolens: {name} left {left / 2**20:.1f} MiB allocated after its teardown; the next "
+                      "strategies start in fresh processes, so that it is in none of their peaks", flush=True)
+            return False
+    return True
+
+
+def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int) -> list[list[dict]]:
+    """gathered[rank][i]: rank's results for strategies[i], from the results files."""
+    files = {name: json.loads(results_path(out, name).read_text()) for name in strategies}
+    for name, f in files.items():
+        for rank in f["ranks"]:
+            rank["left_allocated_by_this_strategy_bytes"] = f["left_allocated_bytes"]
+    return [[files[name]["ranks"][r] for name in strategies] for r in range(nproc)]
+
+
+def finish_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, quiet: bool) -> None:
+    """Rank 0, once every strategy has results: bench.json, bench.md and bench.png."""
+    from .bench import bench_summary, render_bench
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    summary = bench_summary(config, gathered, params, device_name, versions())
+    summary = bench_summary(config, gathered_results(out, config.strategies, config.nproc), params, device_name,
+                            versions())
     if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
         total = torch.cuda.get_device_properties(device).total_memory
         summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \
@@ -213,41 +284,14 @@ def run_bench(config: VerifyConfig, device: torch.device, out: Path, command: st
         print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
 
 
-def run_verify(config: VerifyConfig, device: torch.device, out: Path, command: str, phase: Phase) -> dict | None:
-    rank = dist.get_rank()
-    settings = train_settings(config)
-    if rank == 0:
-        write_config(out, command, config, settings)
-        if config.precision_note:
-            print(f"zerolens: {config.precision_note}", flush=True)
-        print(f"zerolens: {config.nproc} ranks on {config.device}, strategies {', '.join(config.strategies)}, "
-              f"{config.steps} steps; run folder {out}", flush=True)
-    results = []
-    for name in config.strategies:
-        strategy = make_strategy(name, settings)
-        result = train_strategy(strategy, model_config=config.model, steps=config.steps, seed=config.seed,
-                                signal=config.signal, micro_batch=config.micro_batch, device=device,
-                                phase=phase)
-        results.append({"losses": result.losses, "records": result.records, "seconds": result.seconds,
-                        "settings": strategy.describe(), "notes": result.notes,
-                        "allocated_at_start": result.allocated_at_start,
-                        "leftover_sources": result.leftover_sources})
-        if rank == 0:
-            print(f"zerolens: {name} done in {result.seconds:.1f} s, loss {result.losses[0]:.4f} -> "
-                  f"{result.losses[-1]:.4f}", flush=True)
-    phase.strategy, phase.step, phase.name = "-", -1, "writing metrics"
-    report.write_jsonl(out / f"metrics_rank{rank}.jsonl", [rec for r in results for rec in r["records"]])
-    phase.name = "gathering results"
-    gathered = [None] * config.nproc
-    dist.all_gather_object(gathered, results)
-    if rank != 0:
-        return None
-    phase.name = "writing the report"
+def finish_verify(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict:
+    """Rank 0, once every strategy has results: summary.json, report.md and the plots."""
     # Shapes from a copy on the meta device: building the model again on the CPU only to read its
     # sizes cost seconds (14 s for gpt-1b on 2 cores).
     shapes = parameter_shapes(config.model)
-    summary = build_summary(config, gathered, [s.numel() for s in shapes], versions(),
-                            param_shapes=[tuple(s) for s in shapes])
+    summary = build_summary(config, gathered_results(out, config.strategies, config.nproc), [s.numel() for s in shapes],
+                            versions(), param_shapes=[tuple(s) for s in shapes],
+                            metrics=metrics_complete(out, config.strategies, config.steps, config.nproc))
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
@@ -260,6 +304,37 @@ def run_verify(config: VerifyConfig, device: torch.device, out: Path, command: s
     except ImportError:
         print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
     return summary
+
+
+def agree_on_run_folder(config: VerifyConfig, args: argparse.Namespace) -> Path:
+    """The run folder, decided by rank 0 and told to every rank. Started by `zerolens`, the folder
+    exists (zerolens made it). Under another launcher rank 0 makes it here, with the same rules:
+    a new or empty folder, or with --overwrite one zerolens created. A UserError reaches every rank."""
+    decision = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            out = Path(config.out) if config.out else default_run_folder()
+            if not (args.resume and is_run_folder(out)):
+                new_run_folder(out, args.overwrite)
+            decision = [str(out), None]
+        except UserError as e:
+            decision = [None, str(e)]
+    dist.broadcast_object_list(decision)
+    if decision[1] is not None:
+        raise UserError(decision[1])
+    return Path(decision[0])
+
+
+def print_header(config: VerifyConfig, out: Path) -> None:
+    if config.precision_note:
+        print(f"zerolens: {config.precision_note}", flush=True)
+    if config.job == "bench":
+        print(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
+              f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
+              f"run folder {out}", flush=True)
+    else:
+        print(f"zerolens: {config.nproc} ranks on {config.device}, strategies {', '.join(config.strategies)}, "
+              f"{config.steps} steps; run folder {out}", flush=True)
 
 
 @record
@@ -281,29 +356,48 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or shlex.join([os.path.basename(sys.executable), "-m", "zerolens.worker",
                                           *(argv if argv is not None else sys.argv[1:])])
     phase = Phase(name="init", rank=rank, fault=fault_from_environment())
-    out = [None]
+    # Started by `zerolens`, the run folder exists before the ranks do: the hang watchdog can hear
+    # from them from the start, process-group initialisation included.
+    out = Path(config.out) if args.resume else None
+    stack_file = watch_for_hangs(out / "logs", rank, phase) if out is not None else None
     try:
+        phase.enter("init")
         device = init_distributed(config, local_rank)
-        out = [Path(config.out) if config.out else default_run_folder()]
-        dist.broadcast_object_list(out)  # rank 0's choice of folder, for every rank
-        stack_file = watch_for_hangs(out[0] / "logs", rank, phase)  # open till the rank is done
+        try:
+            out = agree_on_run_folder(config, args)
+        except UserError as e:
+            if rank == 0:
+                print(f"zerolens: {e}", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
+        if stack_file is None:
+            stack_file = watch_for_hangs(out / "logs", rank, phase)
+        first_launch = not (out / "results").exists()
         if rank == 0:
-            report.write_json(out[0] / "env.json", environment(config, command, device))
-        if args.job == "bench":
-            run_bench(config, device, out[0], command, phase, quiet=args.quiet)
-            summary = None
-        else:
-            summary = run_verify(config, device, out[0], command, phase)
-        phase.name = "shutdown"
+            if first_launch and not args.quiet:
+                print_header(config, out)
+            if not (out / "env.json").exists():
+                report.write_json(out / "env.json", environment(config, command, device))
+            write_config(out, command, config)
+        dist.barrier()  # the folder is ready before any rank writes into it
+        finished = run_strategies(args.job, config, device, out, phase, stop_on_leftover=args.resume)
+        summary = None
+        if finished and rank == 0:
+            phase.strategy, phase.step, phase.name = "-", -1, "writing the report"
+            if args.job == "bench":
+                finish_bench(config, device, out, command, quiet=args.quiet)
+            else:
+                summary = finish_verify(config, out, command, phase)
+        phase.strategy, phase.step, phase.name = "-", -1, "shutdown"
         dist.barrier()
         dist.destroy_process_group()
         stop_watching(stack_file)
     except Exception as e:
         message = (out_of_memory_message(rank, phase, e) if isinstance(e, torch.OutOfMemoryError)
                    else f"rank {rank} failed during {phase}: {type(e).__name__}: {e}")
-        if out[0] is not None:  # the rank's own log in the run folder, traceback included
-            (out[0] / "logs").mkdir(parents=True, exist_ok=True)
-            (out[0] / "logs" / f"rank{rank}.log").write_text(message + "\n\n" + traceback.format_exc())
+        if out is not None:  # the rank's own log in the run folder, traceback included
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+            (out / "logs" / f"rank{rank}.log").write_text(message + "\n\n" + traceback.format_exc())
         else:  # no run folder yet: the traceback goes to the console
             traceback.print_exc()
         raise RankFailure(message) from e

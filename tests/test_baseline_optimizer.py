@@ -1,0 +1,68 @@
+"""DeepSpeed's 16-bit stage-0 baseline trains the same AdamW as the others: its optimizer wrapper's
+step on zero gradients at construction is undone, so zero0 and zero1 agree (bf16, lr 1e-3, where the
+extra step showed: 2.2e-2 apart as 4-step means at N=1 before the fix, over the 2e-2 tolerance)."""
+import json
+
+import pytest
+import torch
+
+from conftest import zerolens
+from distributed import spawn
+from zerolens.checks import LOSS_MATCH_TOLERANCE
+
+
+def state_after_setup(rank, world_size):
+    import deepspeed
+    from zerolens.model import ModelConfig, build_model
+    from zerolens.strategies import DeepSpeedZero, TrainSettings, loss_factor_of_backward
+    deepspeed.init_distributed(dist_backend="gloo")
+    strategy = DeepSpeedZero(0, TrainSettings(precision="bf16", lr=1e-3, world_size=world_size))
+    strategy.setup(build_model(ModelConfig(), seed=0), torch.device("cpu"))
+    wrapper, inner = strategy.engine.optimizer, strategy.engine.basic_optimizer
+    masters_equal = all(torch.equal(master, p.float()) for low, high in zip(wrapper.fp16_groups, wrapper.fp32_groups)
+                        for p, master in zip(low, high))
+    params = [p for p in strategy.module.parameters()]
+    factor = loss_factor_of_backward(strategy.engine, params)  # bf16 stage 0: the engine does not scale
+    grads_left = sum(p.grad is not None for p in params)
+    result = {"wrapper": type(wrapper).__name__, "undone": strategy.undid_init_step, "state": len(inner.state),
+              "masters_equal": masters_equal, "factor": factor, "grads_left": grads_left,
+              "notes": strategy.notes()}
+    strategy.teardown()
+    return result
+
+
+def test_the_wrapper_step_is_undone_and_the_probe_leaves_nothing():
+    (result,) = spawn(state_after_setup, world_size=1, timeout=240)
+    assert result["wrapper"] == "FP16_UnfusedOptimizer" and result["undone"] == "FP16_UnfusedOptimizer"
+    assert result["state"] == 0 and result["masters_equal"]
+    assert result["factor"] == 1.0 and result["grads_left"] == 0
+    assert any("ran one optimizer step on zero gradients" in n for n in result["notes"])
+
+
+def test_the_probe_reads_the_factor_a_backward_applies():
+    from zerolens.strategies import loss_factor_of_backward
+
+    class Scaling:  # what an engine that scales the loss by 1024 does in backward
+        class optimizer:
+            @staticmethod
+            def zero_grad(set_to_none=True):
+                pass
+
+        @staticmethod
+        def backward(loss):
+            (loss * 1024.0).backward()
+
+    w = torch.nn.Parameter(torch.ones(3))
+    assert loss_factor_of_backward(Scaling, [w]) == 1024.0 and w.grad is None
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_zero0_and_zero1_train_alike_in_bf16(nproc, tmp_path):
+    out = tmp_path / f"n{nproc}"
+    result = zerolens("verify", "--nproc", str(nproc), "--strategies", "zero0,zero1", "--precision", "bf16",
+                      "--lr", "1e-3", "--steps", "20", "--out", str(out), timeout=300)
+    summary = json.loads((out / "summary.json").read_text())
+    check = next(c for c in summary["checks"] if c["name"] == "loss matches baseline (zero1 vs zero0)")
+    assert check["passed"] and check["measured"]["max_relative_diff"] <= LOSS_MATCH_TOLERANCE["bf16"], check["detail"]
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any("zerolens cleared that state" in n for n in summary["notes"])  # said in every report

@@ -1,0 +1,68 @@
+"""Run folders: zerolens deletes only folders it made, refuses a file as --out, and writes files that
+teammates can read (the umask decides, as for any ordinary write). In-process: no worker starts."""
+import os
+import stat
+
+import pytest
+
+from zerolens.cli import main
+from zerolens.errors import UserError
+from zerolens.report import write_json
+from zerolens.runfolder import MARKER, new_run_folder
+
+
+def hugging_face_model_folder(path):
+    path.mkdir()
+    for name, text in (("config.json", '{"model_type": "llama"}'), ("model.safetensors", "weights"),
+                       ("tokenizer.json", "{}")):
+        (path / name).write_text(text)
+    return path
+
+
+def test_overwrite_never_deletes_a_folder_zerolens_did_not_make(tmp_path, capsys):
+    model = hugging_face_model_folder(tmp_path / "llama")
+    before = {p.name: p.read_text() for p in model.iterdir()}
+    assert main(["verify", "--out", str(model), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "was not created by zerolens" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_text() for p in model.iterdir()} == before  # nothing touched
+
+
+def test_overwrite_replaces_a_run_folder(tmp_path):
+    out = new_run_folder(tmp_path / "run")
+    (out / "summary.json").write_text("{}")
+    assert (out / MARKER).is_file()
+    with pytest.raises(UserError, match="already exists"):
+        new_run_folder(out)
+    new_run_folder(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [MARKER]
+
+
+def test_out_naming_a_file_is_one_line(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for command in (["verify"], ["bench"], ["sweep"]):
+        assert main([*command, "--out", str(a_file)]) == 2
+        err = capsys.readouterr().err
+        assert "is a file, not a folder" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert a_file.read_text() == "mine"
+
+
+def test_files_get_the_mode_an_ordinary_write_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        import importlib
+        import zerolens.report
+        importlib.reload(zerolens.report)  # it reads the umask once, at import
+        zerolens.report.write_json(tmp_path / "summary.json", {"a": 1})
+        (tmp_path / "plain.txt").write_text("x")
+    finally:
+        os.umask(old)
+        importlib.reload(zerolens.report)
+    mode = stat.S_IMODE((tmp_path / "summary.json").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
+
+
+def test_write_json_is_whole_or_absent(tmp_path):
+    write_json(tmp_path / "x.json", {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]  # no temporary file left beside it
