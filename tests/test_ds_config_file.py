@@ -32,7 +32,7 @@ def test_verify_with_a_user_config(tmp_path):
     path.write_text(json.dumps(AUTO_CONFIG))
     out = tmp_path / "run"
     result = zerolens("verify", "--ds-config", str(path), "--steps", "6", "--out", str(out), timeout=300)
-    assert result.returncode in (0, 1), result.stderr  # 6 steps: "loss fell" may fail
+    assert result.returncode == 0, result.stdout + result.stderr  # 6 steps: "loss fell" is not checked
     config = json.loads((out / "config.json").read_text())["strategy_settings"]["zero2"]["ds_config"]
     assert config["optimizer"]["params"]["weight_decay"] == 0.0 and config["zero_optimization"]["stage"] == 2
     summary = json.loads((out / "summary.json").read_text())

@@ -43,7 +43,7 @@ def test_same_seed_same_losses_and_no_overwrite(tmp_path):
     for name in ("a", "b"):
         result = zerolens("verify", "--strategies", "zero2", "--steps", "4", "--seed", "3",
                           "--out", str(tmp_path / name), timeout=240)
-        assert result.returncode in (0, 1), result.stderr  # 4 steps may be too few for "loss fell"
+        assert result.returncode == 0, result.stdout + result.stderr  # 4 steps: "loss fell" is not checked
         runs.append(json.loads((tmp_path / name / "summary.json").read_text()))
     assert runs[0]["strategies"]["zero2"]["losses"] == runs[1]["strategies"]["zero2"]["losses"]
     # An existing run folder is kept unless --overwrite says otherwise.

@@ -28,7 +28,7 @@ def test_two_torchrun_nodes_match_one_node(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs
     one = zerolens("verify", "--device", "cpu", "--steps", "6", "--out", str(tmp_path / "one-node"), timeout=300,
                    env={"OMP_NUM_THREADS": "1"})
-    assert one.returncode in (0, 1), one.stderr  # 6 steps: "loss fell" may fail, in both runs alike
+    assert one.returncode == 0, one.stdout + one.stderr  # 6 steps: "loss fell" is not checked
     two = json.loads((tmp_path / "two-nodes" / "summary.json").read_text())
     single = json.loads((tmp_path / "one-node" / "summary.json").read_text())
     assert two["world_size"] == single["world_size"] == 2

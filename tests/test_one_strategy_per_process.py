@@ -28,6 +28,7 @@ def two_launches(rank, world_size, out):
     cfg, device, phase = config(out), torch.device("cpu"), Phase(rank=rank)
     worker.memory_left_behind = lambda device, before: 4096 if phase.strategy == "ddp" else 0  # DDP's buckets
     first = worker.run_strategies("verify", cfg, device, Path(out), phase, stop_on_leftover=True)
+    torch.distributed.barrier()  # as the end of a launch: rank 0 has written what it gathered
     done_first = sorted(p.stem for p in (Path(out) / "results").iterdir())
     second = worker.run_strategies("verify", cfg, device, Path(out), phase, stop_on_leftover=True)
     return first, done_first, second

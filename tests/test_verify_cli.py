@@ -95,15 +95,20 @@ def test_every_strategy_on_two_ranks(tmp_path):
     out = tmp_path / "all"
     result = zerolens("verify", "--strategies", ",".join(STRATEGIES), "--steps", "15",
                       "--out", str(out), timeout=400)
-    assert result.returncode in (0, 1), result.stdout + result.stderr
+    # 15 steps cannot tell whether the loss falls: that check is not made, and the verdict is PASS.
+    assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert all(c["passed"] for c in summary["checks"] if not c["name"].startswith("loss fell")), \
-        [c["detail"] for c in summary["checks"] if not c["passed"]]
+    assert all(c["passed"] for c in summary["checks"]), [c["detail"] for c in summary["checks"] if not c["passed"]]
+    assert [c["name"] for c in summary["not_checked"]] == ["loss fell"]
     assert list(summary["strategies"]) == ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2-grad", "fsdp2"]
     names = [c["name"] for c in summary["checks"]]
-    assert "gradient bytes held (zero1, rank 1)" in names and "loss fell (zero3)" in names
+    assert "gradient bytes held (zero1, rank 1)" in names and "every rank's metrics are complete" in names
     assert "retained memory as predicted (fsdp2, rank 1)" in names
     assert "loss matches baseline (fsdp2-grad vs zero0)" in names
+    # ZeRO-3's bucket gets the same advice as ZeRO-1/2's, and its parameter bytes are explained.
+    assert any(n.startswith("zero3: reduce_bucket_size 5e+07 elements") and "kept for the whole run" in n
+               for n in summary["notes"])
+    assert any(n.startswith("zero3 holds") and "param_persistence_threshold" in n for n in summary["notes"])
 
 
 def test_worker_runs_unchanged_under_torchrun(tmp_path):
@@ -115,8 +120,8 @@ def test_worker_runs_unchanged_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2
-    # 8 steps keep this quick: every check but "loss fell" (which wants more steps) passes.
-    assert all(c["passed"] for c in summary["checks"] if not c["name"].startswith("loss fell")), summary["checks"]
+    # 8 steps keep this quick: every check passes ("loss fell" wants 40 steps and is not made).
+    assert all(c["passed"] for c in summary["checks"]), summary["checks"]
     assert result.stdout.count("## Memory per rank") == 1
 
 

@@ -59,8 +59,9 @@ def progress_bar(total: int, description: str = ""):
         from tqdm import tqdm
     except ImportError:  # a progress bar is a nicety, never a reason to fail
         return contextlib.nullcontext()
+    # Redrawn at every step (a step takes milliseconds at least): the bar shows each one.
     return tqdm(total=total, desc=description, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False,
-                disable=None)
+                disable=None, mininterval=0)
 
 
 @dataclass
@@ -84,16 +85,18 @@ def still_referenced_wrappers() -> list[str]:
 
 
 def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int, seed: int, signal: float,
-                   micro_batch: int, device: torch.device, phase: Phase) -> StrategyRun:
+                   micro_batch: int, device: torch.device, phase: Phase, earlier_left: int = 0) -> StrategyRun:
+    """Trains one strategy, measured. `earlier_left`: bytes the strategies before it in this process
+    left allocated (only under a launcher other than zerolens's: see worker.run_strategies)."""
     rank = dist.get_rank()
     probe = MemoryProbe(device)
     run = StrategyRun(strategy.name)
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
-    # What earlier strategies left allocated (CUDA; the previous one collected and emptied the cache
-    # at its end). On 2xH200 DDP's buckets stayed allocated here and were freed during the next run.
+    # CUDA: what is allocated before setup, as in a fresh process (512 bytes on 2xH200 with NCCL),
+    # plus anything earlier strategies left, which is then traced to the code that allocated it.
     run.allocated_at_start = probe.allocated()
     leftover_blocks = {}
-    if run.allocated_at_start:
+    if earlier_left:
         run.leftover_sources = probe.live_block_sources()
         run.leftover_sources |= {f"still referenced: {k}": 0 for k in still_referenced_wrappers()}
         leftover_blocks = probe.live_block_sizes()

@@ -186,14 +186,15 @@ def memory_left_behind(device: torch.device, allocated_before: int) -> int:
 
 
 def run_strategy(job: str, name: str, config: VerifyConfig, device: torch.device, phase: Phase,
-                 batches: list | None) -> dict:
+                 batches: list | None, earlier_left: int) -> dict:
     """This rank's results for one strategy: trained and measured (verify) or timed (bench)."""
     strategy = make_strategy(name, config.train_settings())
     if job == "bench":
         from .bench import bench_strategy
         return bench_strategy(strategy, config, batches, device, phase)
     result = train_strategy(strategy, model_config=config.model, steps=config.steps, seed=config.seed,
-                            signal=config.signal, micro_batch=config.micro_batch, device=device, phase=phase)
+                            signal=config.signal, micro_batch=config.micro_batch, device=device, phase=phase,
+                            earlier_left=earlier_left)
     return {"losses": result.losses, "records": result.records, "seconds": result.seconds,
             "settings": strategy.describe(), "notes": result.notes,
             "allocated_at_start": result.allocated_at_start, "leftover_sources": result.leftover_sources}
@@ -224,7 +225,7 @@ def run_strategies(job: str, config: VerifyConfig, device: torch.device, out: Pa
     left_by_earlier = 0
     for i, name in enumerate(todo):
         allocated_before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        result = run_strategy(job, name, config, device, phase, batches)
+        result = run_strategy(job, name, config, device, phase, batches, left_by_earlier)
         result["earlier_strategies_left_bytes"] = left_by_earlier
         phase.strategy, phase.step = name, -1
         if job == "verify":
