@@ -14,7 +14,7 @@ from zerolens.census import count
 from zerolens.data import global_batch, rank_slice
 from zerolens.model import ModelConfig, build_model
 from zerolens.strategies import STRATEGIES, TrainSettings, make_strategy
-from zerolens.theory import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, predict_retained
+from zerolens.theory import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout, predict_retained
 
 ODD = ModelConfig(vocab_size=5003, d_model=24, num_layers=1, num_heads=4, ffn_dim=52, num_classes=7, seq_len=8)
 BUCKET = 20_000  # elements: smaller than the model, so buckets are exercised without 100 MB buffers
@@ -72,5 +72,5 @@ def test_census_equals_prediction_byte_for_byte(census, name, precision):
     for rank in range(world_size):
         got = per_rank[rank][precision, name]
         want = predict_retained(name, NUMELS, world_size, rank, precision, reduce_bucket_size=BUCKET,
-                                param_shapes=SHAPES)
+                                param_shapes=SHAPES, deepspeed=deepspeed_layout())  # the installed DeepSpeed
         assert got == {k: want[k] for k in RETAINED_KEYS}, f"rank {rank}"

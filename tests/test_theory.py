@@ -1,3 +1,5 @@
+import pytest
+
 from zerolens.theory import zero_partition_layout
 
 
@@ -92,3 +94,23 @@ def test_fsdp2_shards_follow_torch_chunk_including_ranks_with_no_rows():
                 assert padded == chunks[0].numel()
                 assert held == (chunks[rank].numel() if rank < len(chunks) else 0)
     assert fsdp2_shard_elements([(4, 3)], 3, 2) == (6, 0)  # rows 2 + 2 + 0: rank 2 keeps only padding
+
+
+def test_deepspeed_layouts_by_release():
+    from zerolens.theory import DEEPSPEED_0_19, deepspeed_layout
+    assert deepspeed_layout("0.19.8") == deepspeed_layout("0.18.9") == deepspeed_layout("0.17.6") == DEEPSPEED_0_19
+    assert deepspeed_layout("0.16.9").zero0_bf16_wrapper == "BF16_Optimizer"
+    with pytest.raises(ValueError):
+        deepspeed_layout("0.15.4")
+
+
+def test_predict_zero0_bf16_in_deepspeed_0_16_by_hand():
+    from zerolens.theory import deepspeed_layout
+    sizes = [10, 3]  # 13 elements; N=2: padded to 16, 8 per rank
+    z16 = predict_retained("zero0", sizes, 2, 1, "bf16", deepspeed=deepspeed_layout("0.16.9"))
+    assert z16["param_bytes"] == 2 * 16  # the flat bf16 buffer, padding included
+    assert z16["grad_bytes_after_backward"] == z16["grad_bytes_after_step"] == 2 * 13 + 4 * 16  # + flat fp32 grads
+    assert z16["optimizer_state_bytes"] == 12 * 8 + 4  # masters and moments on the rank's 8, one step counter
+    assert z16["grad_partition_elements"] == 13
+    assert predict_retained("zero0", sizes, 2, 0, "fp32", deepspeed=deepspeed_layout("0.16.9")) == \
+        predict_retained("zero0", sizes, 2, 0, "fp32")  # no wrapper in fp32

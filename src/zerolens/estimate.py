@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .model import PRESETS, load_user_function, parameter_shapes
-from .theory import (ELEMENT_BYTES, RETAINED_KEYS, deepspeed_estimator, paper_model_states, predict_retained,
-                     transient_reduce_bucket_bytes)
+from .theory import (ELEMENT_BYTES, RETAINED_KEYS, deepspeed_estimator, deepspeed_layout, paper_model_states,
+                     predict_retained, transient_reduce_bucket_bytes)
 
 # The ZeRO paper's stage whose formula applies. Both FSDP2 modes keep parameters, gradients and
 # optimizer states sharded between steps, as stage 3 does.
@@ -54,7 +54,8 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
             ranks = []
             for rank in range(world_size):
                 r = predict_retained(name, param_numels, world_size, rank, precision,
-                                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes)
+                                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
+                                     deepspeed=deepspeed_layout())  # the installed DeepSpeed's
                 r = {"rank": rank, **{k: r[k] for k in RETAINED_KEYS}}
                 r["transient_reduce_bucket_bytes"] = transient_reduce_bucket_bytes(name, precision,
                                                                                    reduce_bucket_size)

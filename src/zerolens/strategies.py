@@ -313,6 +313,10 @@ class DeepSpeedZero(Strategy):
                          "when it was built (initialize_optimizer_states), so AdamW's first real update would use "
                          "the bias correction of its second; zerolens cleared that state and restored the fp32 master "
                          "weights, so that this baseline trains the same AdamW as the other strategies")
+        if getattr(self, "cleared_kept_grads", False):
+            notes.append(f"{self.name}: this DeepSpeed kept the 16-bit gradients after the step without ZeRO, so the "
+                         "next backward would add to them (fixed by DeepSpeed PR #7839); zerolens cleared them after "
+                         "each step, as later releases do")
         if getattr(self, "scale_loss_ourselves", False):
             notes.append(f"{self.name}: this DeepSpeed does not scale the fp16 loss in engine.backward() without ZeRO "
                          "but divides the gradients by the loss scale at step (DeepSpeed PR #8393); zerolens saw it "
@@ -329,7 +333,21 @@ class DeepSpeedZero(Strategy):
         self.engine.backward(loss)
 
     def step(self):
-        self.engine.step()
+        # Without autograd: DeepSpeed 0.18 builds ZeRO-1/2's flat parameter buffer from the parameters
+        # without detaching it (stage_1_and_2.py, flatten_on_gpu; 0.19 adds .detach()), so the step's
+        # all-gather into it fails on gloo ("Output 0 of Split is a view and is being modified
+        # inplace"). Nothing in a step needs autograd; under 0.19 the bytes held, the losses and the
+        # weights are bitwise the same with it and without.
+        with torch.no_grad():
+            self.engine.step()
+        if self.engine.optimizer.__class__.__name__ == "FP16_UnfusedOptimizer" and any(
+                p.grad is not None for p in self.module.parameters()):
+            # DeepSpeed 0.17 zeroes 16-bit gradients after the step only under ZeRO (engine.py,
+            # _take_model_step; fixed by DeepSpeed PR #7839), so without ZeRO the next backward adds to
+            # the last step's gradients. Seen, not assumed from a version: cleared, as 0.18 does.
+            for p in self.module.parameters():
+                p.grad = None
+            self.cleared_kept_grads = True
         return bool(self.engine.was_step_applied())
 
     def holdings(self):
@@ -347,9 +365,7 @@ class DeepSpeedZero(Strategy):
             partitions = [g for g in required(optimizer, "averaged_gradients").values() if g is not None]
             partition_grads = [t for group in partitions for t in group]
             return Holdings(param=params, grad=model_grads + partition_grads + fp32_grads(masters),
-                            optimizer_state=masters + basic_state,
-                            comm_buffer=[t for b in required(optimizer, "ipg_buckets").values()
-                                         for t in required(b, "buffer")],
+                            optimizer_state=masters + basic_state, comm_buffer=reduce_buckets(optimizer),
                             grad_partition_elements=sum(t.numel() for t in partition_grads))
         if kind == "DeepSpeedZeroOptimizer_Stage3":
             # Partitioned parameters keep a 0-element p.data and their shard in p.ds_tensor.
@@ -357,14 +373,13 @@ class DeepSpeedZero(Strategy):
             masters = required(optimizer, "fp32_partitioned_groups_flat")
             grad_buffer = required(optimizer, "grad_partitions_flat_buffer")  # persistent, 1/N of the grads
             return Holdings(param=params + shards, grad=model_grads + [grad_buffer] + fp32_grads(masters),
-                            optimizer_state=masters + basic_state,
-                            comm_buffer=[required(b, "buffer") for b in required(optimizer, "ipg_buckets").values()],
+                            optimizer_state=masters + basic_state, comm_buffer=reduce_buckets(optimizer),
                             grad_partition_elements=grad_buffer.numel())
         if kind == "FP16_UnfusedOptimizer":  # stage 0, fp16/bf16 with a torch optimizer
             masters = [t for group in required(optimizer, "fp32_groups") for t in group]
         elif kind == "FP16_Optimizer":  # stage 0, fp16 with FusedAdam
             masters = list(required(optimizer, "fp32_groups_flat"))
-        elif kind == "BF16_Optimizer":
+        elif kind == "BF16_Optimizer":  # stage 0 in bf16 under DeepSpeed 0.16 (theory.DeepSpeedLayout)
             masters = list(required(optimizer, "fp32_groups_flat_partition"))
             model_grads += list(required(optimizer, "fp32_groups_gradients_flat"))
         elif optimizer is self.engine.basic_optimizer:  # stage 0 in fp32: no wrapper
@@ -381,6 +396,25 @@ class DeepSpeedZero(Strategy):
 
     def describe(self):
         return {"backend": "deepspeed", "ds_config": self.ds_config()}
+
+
+def reduce_buckets(optimizer) -> list[torch.Tensor]:
+    """The flat reduce buckets of a ZeRO-1/2/3 optimizer (contiguous_gradients). DeepSpeed 0.17 and
+    later: one bucket per communication dtype in `ipg_buckets`, whose `buffer` is a list under stage
+    1/2 (emptied at the end of backward) and one tensor under stage 3 (kept). 0.16: stage 1/2 keep
+    a list `ipg_buffer` (None outside backward), stage 3 one `__ipg_bucket_flat_buffer` (name-mangled);
+    neither exists without contiguous_gradients, and then there is no flat bucket."""
+    stage3 = type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3"
+    if hasattr(optimizer, "ipg_buckets"):
+        buckets = optimizer.ipg_buckets.values()
+        if stage3:
+            return [required(b, "buffer") for b in buckets]
+        return [t for b in buckets for t in required(b, "buffer")]
+    if not required(optimizer, "contiguous_gradients"):
+        return []
+    if stage3:
+        return [required(optimizer, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")]
+    return list(required(optimizer, "ipg_buffer") or [])
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

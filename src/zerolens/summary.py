@@ -7,7 +7,8 @@ from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, lo
                      zero_gradient_checks)
 from .config import VerifyConfig
 from .report import MiB
-from .theory import ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, predict_retained
+from .theory import (ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout,
+                     predict_retained)
 
 
 def median_step_seconds(records: list[dict]) -> float | None:
@@ -97,7 +98,8 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
         }
         for r, rank in enumerate(strategies[name]["ranks"]):
             predicted = predict_retained(name, param_numels, config.nproc, r, config.precision,
-                                         reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes)
+                                         reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
+                                         deepspeed=deepspeed_layout(versions.get("deepspeed")))
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
     base = strategies[config.baseline]
     checks = []

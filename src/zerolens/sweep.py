@@ -8,7 +8,7 @@ from itertools import groupby
 
 from .checks import check, loss_matches
 from .report import markdown_table, mib
-from .theory import predict_retained
+from .theory import deepspeed_layout, predict_retained
 
 # Strategies whose retained gradients are split N ways after backward. DeepSpeed stage 1 reduces
 # into partitions at the accumulation boundary, which is every step here (no accumulation);
@@ -28,7 +28,9 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
         peaks = [r["peak_bytes"] for r in s["ranks"] if r["peak_bytes"] is not None]
         step_times = [r["median_step_seconds"] for r in s["ranks"] if r.get("median_step_seconds") is not None]
         unsharded = predict_retained(name, numels, 1, 0, summary["precision"], reduce_bucket_size=reduce_bucket_size,
-                                     param_shapes=param_shapes)["grad_bytes_after_backward"]
+                                     param_shapes=param_shapes,
+                                     deepspeed=deepspeed_layout(summary["versions"].get("deepspeed"))
+                                     )["grad_bytes_after_backward"]
         strategies[name] = {
             "rank": top["rank"],
             "grad_bytes_after_backward": top["grad_bytes_after_backward"],

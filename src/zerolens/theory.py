@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed_version
 
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor (4-byte alignment for 2-byte types)
 
@@ -68,6 +70,38 @@ def zero_partition_layout(param_numels: list[int], world_size: int) -> list[Rank
     return layout
 
 
+@dataclass(frozen=True)
+class DeepSpeedLayout:
+    """Where DeepSpeed releases differ in what a rank keeps. The default is 0.17 to 0.19's;
+    `deepspeed_layout` gives the one of an installed or recorded release. (Releases also differ in
+    behaviour that zerolens corrects and detects at run time, not from the version: the fp16 loss
+    scale of 0.18/0.19 and the bf16 gradients 0.17 keeps after the step, strategies.py.)"""
+    # The optimizer wrapper of bf16 without ZeRO. 0.17 and later: FP16_UnfusedOptimizer (with a torch
+    # optimizer): get_data_types defaults the gradient accumulation dtype to the model's, so
+    # _do_optimizer_sanity_check returns DDP_BFLOAT16. 0.16: get_data_types defaults it to fp32 for
+    # bf16 without ZeRO, which selects BF16_Optimizer: bf16 weights flat and padded, their bf16
+    # gradients kept after the step, a flat fp32 gradient buffer of the same size kept for good,
+    # fp32 masters and Adam state on 1/N of it (runtime/bf16_optimizer.py).
+    zero0_bf16_wrapper: str = "FP16_UnfusedOptimizer"
+
+
+DEEPSPEED_0_19 = DeepSpeedLayout()
+
+
+def deepspeed_layout(version: str | None = None) -> DeepSpeedLayout:
+    """The layout of DeepSpeed `version` ("0.17.6"), by default the installed one (read from the
+    package metadata: DeepSpeed is not imported; 0.19's when it is not installed)."""
+    if version is None:
+        try:
+            version = installed_version("deepspeed")
+        except PackageNotFoundError:
+            return DEEPSPEED_0_19
+    major_minor = tuple(int(x) for x in version.split(".")[:2])
+    if major_minor < (0, 16):
+        raise ValueError(f"DeepSpeed {version}: zerolens supports DeepSpeed 0.16 to 0.19")
+    return DeepSpeedLayout(zero0_bf16_wrapper="BF16_Optimizer" if major_minor < (0, 17) else "FP16_UnfusedOptimizer")
+
+
 # --- What each rank keeps between steps, per strategy -------------------------------------------
 # Byte sizes of the pieces. K = 12 in the ZeRO paper's notation: fp32 master weights, momentum
 # and variance. torch's AdamW also keeps its `step` counter as a float32 scalar tensor per
@@ -101,12 +135,13 @@ def fsdp2_shard_elements(param_shapes: list[tuple[int, ...]], world_size: int, r
 
 
 def predict_retained(strategy: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
-                     reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None) -> dict:
+                     reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
+                     deepspeed: DeepSpeedLayout = DEEPSPEED_0_19) -> dict:
     """Bytes a rank holds per component, right after backward and after the step.
 
-    The layouts are those of torch DDP (gradient_as_bucket_view=False), DeepSpeed 0.19 with a
-    torch AdamW (`torch_adam`) and contiguous_gradients (its default), and FSDP2 (torch 2.13),
-    which needs `param_shapes` as well.
+    The layouts are those of torch DDP (gradient_as_bucket_view=False), DeepSpeed with a torch
+    AdamW (`torch_adam`) and contiguous_gradients (its default), 0.19 unless `deepspeed` says
+    otherwise (see deepspeed_layout), and FSDP2 (torch 2.13), which needs `param_shapes` as well.
     """
     psi, tensors = sum(param_numels), len(param_numels)
     e = ELEMENT_BYTES[precision]
@@ -114,7 +149,19 @@ def predict_retained(strategy: str, param_numels: list[int], world_size: int, ra
         return dict(param_bytes=FP32 * psi, grad_bytes_after_backward=FP32 * psi, grad_bytes_after_step=0,
                     optimizer_state_bytes=ADAM_MOMENTS * psi + STEP_COUNTER * tensors,
                     comm_buffer_bytes_after_backward=FP32 * psi, grad_partition_elements=psi)
-    if strategy == "zero0":  # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
+    if strategy == "zero0":
+        if precision == "bf16" and deepspeed.zero0_bf16_wrapper == "BF16_Optimizer":
+            # bf16 weights in one flat buffer padded as ZeRO-1/2 pad it, their bf16 gradients (kept
+            # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
+            # never freed); fp32 masters and one Adam state on the rank's 1/N slice
+            # (bf16_optimizer.py, 0.16).
+            p = zero_partition_layout(param_numels, world_size)[rank].partition_elements
+            padded = p * world_size
+            return dict(param_bytes=e * padded, grad_bytes_after_backward=e * psi + FP32 * padded,
+                        grad_bytes_after_step=e * psi + FP32 * padded,
+                        optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
+                        comm_buffer_bytes_after_backward=0, grad_partition_elements=psi)
+        # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
         masters = FP32 * psi if e == 2 else 0
         return dict(param_bytes=e * psi, grad_bytes_after_backward=e * psi, grad_bytes_after_step=0,
                     optimizer_state_bytes=masters + ADAM_MOMENTS * psi + STEP_COUNTER * tensors,
