@@ -20,7 +20,7 @@ for release in "${releases[@]}"; do
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q "deepspeed==$release" 2>&1 | grep -v -E "^(WARNING|ERROR: pip's dependency|zerolens)" || true
   start=$(date +%s)
   {
-    "$venv/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'
+    DS_ACCELERATOR=cpu "$venv/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)'
     echo "zerolens at commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests || echo ' (with uncommitted changes)')"
     echo "=== python -m pytest -q ${tests[*]}"
     # Each DeepSpeed JIT-builds its CPU communication op into torch's extension cache, under one name
@@ -42,6 +42,7 @@ for release in releases:
     summary = re.findall(r"^=+ (.*) in [\d.]+s", log, re.M) or re.findall(r"^(\d+ passed.*?) in ", log, re.M)
     results[release] = {"exit_code": int(re.search(r"^exit code (\d+)", log, re.M)[1]),
                         "pytest": summary[-1] if summary else None,
-                        "versions": log.splitlines()[0], "log": f"deepspeed-{release}.log"}
+                        "versions": next(line for line in log.splitlines() if line.startswith("torch ")),
+                        "log": f"deepspeed-{release}.log"}
 path.write_text(json.dumps(dict(sorted(results.items())), indent=2) + "\n")
 PY

@@ -9,23 +9,27 @@ import torch
 from conftest import zerolens
 from distributed import spawn
 from zerolens.checks import LOSS_MATCH_TOLERANCE
+from zerolens.theory import deepspeed_layout
 
 
 def state_after_setup(rank, world_size):
     import deepspeed
     from zerolens.model import ModelConfig, build_model
-    from zerolens.strategies import DeepSpeedZero, TrainSettings, loss_factor_of_backward
+    from zerolens.strategies import DeepSpeedZero, TrainSettings, loss_factor_of_backward, loss_scale
     deepspeed.init_distributed(dist_backend="gloo")
     strategy = DeepSpeedZero(0, TrainSettings(precision="bf16", lr=1e-3, world_size=world_size))
     strategy.setup(build_model(ModelConfig(), seed=0), torch.device("cpu"))
     wrapper, inner = strategy.engine.optimizer, strategy.engine.basic_optimizer
     masters_equal = all(torch.equal(master, p.float()) for low, high in zip(wrapper.fp16_groups, wrapper.fp32_groups)
-                        for p, master in zip(low, high))
+                        for p, master in zip(low, high)) if hasattr(wrapper, "fp32_groups") else None
     params = [p for p in strategy.module.parameters()]
-    factor = loss_factor_of_backward(strategy.engine, params)  # bf16 stage 0: the engine does not scale
+    # bf16 stage 0: 0.18 and 0.19 do not scale the loss; 0.17 scales it by its wrapper's loss scale
+    # (65536 in bf16 there), which its step divides by again.
+    scale = loss_scale(wrapper) if hasattr(wrapper, "cur_scale") or hasattr(wrapper, "loss_scale_config") else 1.0
+    factor = loss_factor_of_backward(strategy.engine, params)
     grads_left = sum(p.grad is not None for p in params)
     result = {"wrapper": type(wrapper).__name__, "undone": strategy.undid_init_step, "state": len(inner.state),
-              "masters_equal": masters_equal, "factor": factor, "grads_left": grads_left,
+              "masters_equal": masters_equal, "factor": factor, "scale": scale, "grads_left": grads_left,
               "notes": strategy.notes()}
     strategy.teardown()
     return result
@@ -33,9 +37,12 @@ def state_after_setup(rank, world_size):
 
 def test_the_wrapper_step_is_undone_and_the_probe_leaves_nothing():
     (result,) = spawn(state_after_setup, world_size=1, timeout=240)
+    assert result["state"] == 0 and result["factor"] in (1.0, result["scale"]) and result["grads_left"] == 0
+    if deepspeed_layout().zero0_bf16_wrapper == "BF16_Optimizer":  # DeepSpeed 0.16: takes no such step
+        assert result["wrapper"] == "BF16_Optimizer" and result["undone"] is None
+        return
     assert result["wrapper"] == "FP16_UnfusedOptimizer" and result["undone"] == "FP16_UnfusedOptimizer"
-    assert result["state"] == 0 and result["masters_equal"]
-    assert result["factor"] == 1.0 and result["grads_left"] == 0
+    assert result["masters_equal"]
     assert any("ran one optimizer step on zero gradients" in n for n in result["notes"])
 
 
@@ -65,4 +72,5 @@ def test_zero0_and_zero1_train_alike_in_bf16(nproc, tmp_path):
     check = next(c for c in summary["checks"] if c["name"] == "loss matches baseline (zero1 vs zero0)")
     assert check["passed"] and check["measured"]["max_relative_diff"] <= LOSS_MATCH_TOLERANCE["bf16"], check["detail"]
     assert result.returncode == 0, result.stdout + result.stderr
-    assert any("zerolens cleared that state" in n for n in summary["notes"])  # said in every report
+    if deepspeed_layout().zero0_bf16_wrapper == "FP16_UnfusedOptimizer":  # said in every report
+        assert any("zerolens cleared that state" in n for n in summary["notes"])
