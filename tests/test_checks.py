@@ -54,6 +54,11 @@ def test_metrics_complete_reads_every_ranks_own_file(tmp_path):
     (tmp_path / "metrics_rank1.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # its last step is missing
     result = metrics_complete(tmp_path, ("zero0", "zero2"), 3, 2)
     assert not result["passed"] and "rank 1: 5 of 6" in result["detail"]
+    # Complete, but rank 1 logged another global loss at one step: the ranks did not train together.
+    lines[2] = lines[2].replace('"loss": 1.0', '"loss": 1.5')
+    (tmp_path / "metrics_rank1.jsonl").write_text("\n".join(lines) + "\n")
+    result = metrics_complete(tmp_path, ("zero0", "zero2"), 3, 2)
+    assert not result["passed"] and "differ at 1 steps, first zero0 step 2" in result["detail"]
 
 
 def test_the_peak_check_says_how_much_was_named_only_by_allocating_code():

@@ -64,3 +64,23 @@ def test_under_another_launcher_the_peaks_after_a_leftover_are_kept_aside():
     assert "their peaks are not reported as theirs" in leftover_notes(cfg, strategies, gathered)[0]
     strategies["zero2"]["ranks"][0]["earlier_strategies_left_bytes"] = 0
     assert "ran in fresh worker processes" in leftover_notes(cfg, strategies, gathered)[0]
+
+
+def test_zerolens_starts_fresh_processes_after_a_strategy_that_left_memory(tmp_path):
+    """End to end, through the CLI: every strategy leaves 1 MiB behind on rank 0 (a `leak` fault),
+    so each launch ends after one strategy and the next starts in new processes."""
+    from conftest import zerolens
+    out = tmp_path / "run"
+    result = zerolens("verify", "--strategies", "ddp,zero0,zero2", "--steps", "4", "--out", str(out), timeout=400,
+                      env={"ZEROLENS_FAULT": "rank=0,step=1,phase=step,kind=leak"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("zerolens: 2 ranks on cpu") == 1  # one header for the three launches
+    assert result.stdout.count("the next strategies start in fresh processes") == 2
+    summary = json.loads((out / "summary.json").read_text())
+    for name in ("ddp", "zero0", "zero2"):
+        assert summary["strategies"][name]["left_allocated_after_teardown_bytes"] == 2**20
+        assert all(r["earlier_strategies_left_bytes"] == 0 for r in summary["strategies"][name]["ranks"])
+    assert any(n.startswith("ddp left 1.0 MiB allocated after its teardown; zero0, zero2 ran in fresh worker")
+               for n in summary["notes"])
+    metrics = next(c for c in summary["checks"] if c["name"] == "every rank's metrics are complete and agree")
+    assert metrics["passed"] and summary["verdict"] == "PASS"

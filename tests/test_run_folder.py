@@ -66,3 +66,12 @@ def test_files_get_the_mode_an_ordinary_write_gives(tmp_path):
 def test_write_json_is_whole_or_absent(tmp_path):
     write_json(tmp_path / "x.json", {"a": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]  # no temporary file left beside it
+
+
+def test_a_symbolic_link_as_out_is_refused_in_one_line(tmp_path, capsys):
+    target = new_run_folder(tmp_path / "real")
+    (tmp_path / "link").symlink_to(target)
+    assert main(["verify", "--out", str(tmp_path / "link"), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "is a symbolic link" in err and len(err.strip().splitlines()) == 1
+    assert target.is_dir() and (tmp_path / "link").is_symlink()

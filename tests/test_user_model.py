@@ -80,3 +80,12 @@ def test_batch_parameters_may_have_any_names(tmp_path):
     # 6 steps cannot tell whether the loss falls: said, not failed.
     assert summary["verdict"] == "PASS" and [c["name"] for c in summary["not_checked"]] == ["loss fell"]
     assert "NOT CHECKED loss fell: 6 steps are too few" in result.stdout
+
+
+def test_batch_functions_are_called_by_name_where_they_can_be(monkeypatch):
+    from zerolens.data import user_batch
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    for spec in ("zerolens_test_models:tiny_batch", "zerolens_test_models:keyword_only_batch",
+                 "zerolens_test_models:batch_named_otherwise"):
+        inputs, targets = user_batch(spec, 3, seed=5, batch_size=4)
+        assert inputs.shape == (4, 6) and targets.equal(inputs[:, 0] % 4), spec

@@ -102,7 +102,7 @@ def test_every_strategy_on_two_ranks(tmp_path):
     assert [c["name"] for c in summary["not_checked"]] == ["loss fell"]
     assert list(summary["strategies"]) == ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2-grad", "fsdp2"]
     names = [c["name"] for c in summary["checks"]]
-    assert "gradient bytes held (zero1, rank 1)" in names and "every rank's metrics are complete" in names
+    assert "gradient bytes held (zero1, rank 1)" in names and "every rank's metrics are complete and agree" in names
     assert "retained memory as predicted (fsdp2, rank 1)" in names
     assert "loss matches baseline (fsdp2-grad vs zero0)" in names
     # ZeRO-3's bucket gets the same advice as ZeRO-1/2's, and its parameter bytes are explained.

@@ -83,3 +83,8 @@ def per_token_targets(step, batch_size, seed):
 def batch_named_otherwise(i, n, s):
     """The batch contract is positional: (step, batch_size, seed) under any names."""
     return tiny_batch(i, n, s)
+
+
+def keyword_only_batch(*, seed, batch_size, step):
+    """The same batch, with keyword-only parameters in another order."""
+    return tiny_batch(step, batch_size, seed)

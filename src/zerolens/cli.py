@@ -205,12 +205,12 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets:
         raise UserError(f"--presets: unknown model {unknown[0] if unknown else '(none)'}; choose from {', '.join(PRESETS)}")
-    out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
     grid = [(preset, n, bucket) for preset in presets for n in ns for bucket in buckets]
-    # Every point's configuration is checked before the first one runs.
-    configs = {(preset, n): config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n,
-                                                                   "out": None}))
-               for preset, n, _ in grid}
+    # Every point's configuration is checked before the first one runs, and before anything is written.
+    configs = {(preset, n, bucket): config_from_args(argparse.Namespace(
+        **{**vars(args), "preset": preset, "nproc": n, "reduce_bucket_size": bucket, "out": None}))
+        for preset, n, bucket in grid}
+    out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
     points, failed = [], []
     for preset, n, bucket in grid:
         folder = f"n{n}-bucket{bucket}" + (f"-{preset}" if len(presets) > 1 else "")
@@ -222,7 +222,7 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
         if summary is None:
             failed.append(f"{args.model or preset} N={n} bucket {bucket:.0e}")
             continue
-        config = configs[(preset, n)]
+        config = configs[(preset, n, bucket)]
         points.append(point_summary(summary, bucket, point_args.out, args.model or preset,
                                     param_shapes=[tuple(s) for s in parameter_shapes(config.model)],
                                     global_batch=config.micro_batch * n))

@@ -21,6 +21,7 @@ import torch
 from .compat import check_supported
 from .errors import UserError
 from .model import PRESETS, ModelConfig, parameter_shapes, user_model
+from .theory import fsdp2_shard_elements
 from .strategies import STRATEGIES, TrainSettings, make_strategy
 
 
@@ -122,8 +123,18 @@ def check_deepspeed_configs(config: VerifyConfig) -> None:
     os.environ.setdefault("DS_ACCELERATOR", config.device)  # saves DeepSpeed a probe and a warning
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from deepspeed.runtime.config import DeepSpeedConfig
-    # DeepSpeed logs its config at INFO, to a handler bound to stdout when it was imported.
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed logs its config at INFO, to a handler bound to stdout when it was imported: quiet
+    # here, and as it was afterwards (--verbose brings DeepSpeed's logging back in the workers).
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        validate_deepspeed_configs(config, DeepSpeedConfig)
+    finally:
+        logger.setLevel(level)
+
+
+def validate_deepspeed_configs(config: VerifyConfig, DeepSpeedConfig) -> None:
     settings = config.train_settings()
     for name in config.strategies:
         if not name.startswith("zero"):
@@ -283,7 +294,7 @@ def ds_override_from_json(text: str | None) -> dict:
     return value
 
 
-def user_model_from_args(args: argparse.Namespace, global_batch: int) -> ModelConfig:
+def user_model_from_args(args: argparse.Namespace, global_batch: int, check: bool = True) -> ModelConfig:
     """--model module:factory with --batch module:function, checked here so that a mistake ends in
     one line before any worker starts: the model is built and run on the meta device (no memory, no
     arithmetic) on the run's first global batch, and its output goes through the loss."""
@@ -294,6 +305,8 @@ def user_model_from_args(args: argparse.Namespace, global_batch: int) -> ModelCo
         raise UserError("--width/--depth/--heads/--seq-len/--activation-checkpointing/--compile change a preset, "
                         "not a --model")
     model = ModelConfig(kind="user", factory=args.model, batch=args.batch)
+    if not check:
+        return model
     try:
         check_model_contract(model, global_batch, args.seed)
     except UserError:
@@ -334,11 +347,11 @@ def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> No
                         f"batch of {global_batch} rows") from None
 
 
-def model_from_args(args: argparse.Namespace, global_batch: int) -> ModelConfig:
+def model_from_args(args: argparse.Namespace, global_batch: int, check: bool = True) -> ModelConfig:
     """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
-    or the user's model, checked on a global batch of `global_batch` rows."""
+    or the user's model, checked on a global batch of `global_batch` rows unless `check` is False."""
     if getattr(args, "model", None):
-        return user_model_from_args(args, global_batch)
+        return user_model_from_args(args, global_batch, check)
     model = PRESETS[args.preset]
     changes = {}
     for flag, name, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
@@ -360,8 +373,10 @@ def model_from_args(args: argparse.Namespace, global_batch: int) -> ModelConfig:
 
 
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
-                     gpus_visible: int | None = None) -> VerifyConfig:
-    """Resolve defaults against the machine; `world_size` is given when a launcher started us."""
+                     gpus_visible: int | None = None, checked: bool = False) -> VerifyConfig:
+    """Resolve defaults against the machine; `world_size` is given when a launcher started us.
+    `checked`: `zerolens` has made the slow checks already (a user's model run on the meta device,
+    the DeepSpeed configs through DeepSpeed's config model), so its workers skip them."""
     gpus = torch.cuda.device_count() if gpus_visible is None else gpus_visible
     device = args.device or ("cuda" if gpus >= 2 else "cpu")
     if world_size is not None:
@@ -410,9 +425,15 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
                         job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
                         memory_limit_gib=getattr(args, "memory_limit_gib", None),
-                        preset=args.model or args.preset, model=model_from_args(args, micro_batch * nproc),
+                        preset=args.model or args.preset,
+                        model=model_from_args(args, micro_batch * nproc, check=not checked),
                         out=args.out, verbose=args.verbose,
                         lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
-    if uses_deepspeed:
+    if uses_deepspeed and not checked:
         check_deepspeed_configs(config)
+    if any(s.startswith("fsdp2") for s in strategies):
+        try:  # FSDP2 shards every parameter on dim 0: a 0-dimensional one cannot be
+            fsdp2_shard_elements([tuple(shape) for shape in parameter_shapes(config.model)], nproc, 0)
+        except ValueError as e:
+            raise UserError(f"--strategies {','.join(s for s in strategies if s.startswith('fsdp2'))}: {e}") from None
     return config

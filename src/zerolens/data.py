@@ -18,6 +18,8 @@ step, and rank r takes rows [r * micro, (r + 1) * micro).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .model import ModelConfig, load_user_function
@@ -36,11 +38,17 @@ def make_batch(model: ModelConfig, step: int, *, seed: int, batch_size: int,
 
 
 def user_batch(spec: str, step: int, *, seed: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Your batch function (--batch module:function), called as function(step, batch_size, seed),
-    positionally, so its parameters may have any names. It must return (inputs, targets): tensors on
-    the CPU with batch_size rows, the same for the same arguments (every rank calls it and takes its
-    own rows), targets integer class indices."""
-    result = load_user_function(spec)(step, batch_size, seed)
+    """Your batch function (--batch module:function): function(step, batch_size, seed), by those
+    names where it has them (keyword-only parameters included), else by position. It must return
+    (inputs, targets): tensors on the CPU with batch_size rows, the same for the same arguments
+    (every rank calls it and takes its own rows), targets integer class indices."""
+    function = load_user_function(spec)
+    arguments = {"step": step, "batch_size": batch_size, "seed": seed}
+    try:
+        names = set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature to read (a builtin, say): by position
+        names = set()
+    result = function(**arguments) if set(arguments) <= names else function(step, batch_size, seed)
     if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
         raise ValueError(f"{spec} must return a tuple (inputs, targets) of tensors")
     inputs, targets = result

@@ -59,8 +59,10 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                 r = {"rank": rank, **{k: r[k] for k in RETAINED_KEYS}}
                 r["transient_reduce_bucket_bytes"] = transient_reduce_bucket_bytes(name, precision,
                                                                                    reduce_bucket_size)
+                # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
+                # of the gradients, ZeRO-3's reduce bucket).
                 r["retained_total_bytes"] = (r["param_bytes"] + r["grad_bytes_after_step"]
-                                             + r["optimizer_state_bytes"])
+                                             + r["optimizer_state_bytes"] + r["comm_buffer_bytes_after_backward"])
                 ranks.append(r)
             entry["ranks"] = ranks
         out["strategies"][name] = entry
@@ -85,7 +87,7 @@ def unpadded_components(strategy: str, psi: float, world_size: int, precision: s
     }
     params, grads, states, buffers = layouts[strategy]
     return {"param_bytes": params, "grad_bytes_after_backward": grads, "optimizer_state_bytes": states,
-            "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states}
+            "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states + buffers}
 
 
 def unit_for(values) -> tuple[float, str]:

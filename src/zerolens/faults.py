@@ -1,10 +1,12 @@
-"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom|hang".
+"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom|hang|leak".
 
 At the start of phase P (forward, backward or step) of step K on rank R, of every strategy, or
 before the process group exists (phase init, no step), the
 rank raises (`crash`: a RuntimeError; `oom`: torch.OutOfMemoryError with the allocator's usual
 message, so that the out-of-memory report can be tested on a CPU) or stops answering (`hang`:
-sleeps until killed). Unset, nothing happens.
+sleeps until killed), or keeps 1 MiB allocated for good (`leak`: memory a strategy leaves behind,
+which ends its launch; on CPU, where zerolens has no allocator to ask, the only such memory it
+can see). Unset, nothing happens.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 PHASES = ("init", "forward", "backward", "step")
-KINDS = ("crash", "oom", "hang")
+KINDS = ("crash", "oom", "hang", "leak")
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,18 @@ def fault_from_environment() -> Fault | None:
     return parse_fault(text) if text else None
 
 
-def inject(fault: Fault | None, rank: int, step: int, phase: str) -> None:
+LEAKED: list[torch.Tensor] = []  # what `leak` faults keep allocated
+
+
+def leaked_bytes(device: torch.device) -> int:
+    return sum(t.nbytes for t in LEAKED if t.device.type == device.type)
+
+
+def inject(fault: Fault | None, rank: int, step: int, phase: str, device: torch.device | None = None) -> None:
     if fault is None or (fault.rank, fault.step, fault.phase) != (rank, step, phase):
+        return
+    if fault.kind == "leak":
+        LEAKED.append(torch.ones(2**20, dtype=torch.uint8, device=device or "cpu"))
         return
     if fault.kind == "hang":
         while True:

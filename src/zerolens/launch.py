@@ -45,6 +45,10 @@ def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, l
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "zerolens.worker", *worker_args)
     except ChildFailedError as e:
+        if watchdog:
+            if not watchdog.firing.is_set():
+                watchdog.stop.set()
+            watchdog.join()  # a diagnosis under way (its stack dumps can end a rank) is completed
         if watchdog and watchdog.verdict:
             raise WorkersFailed(watchdog.verdict) from None
         # The first rank to fail is the cause; the others usually failed because it vanished.
@@ -55,7 +59,9 @@ def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, l
         raise WorkersFailed("; ".join(lines)) from None
     finally:
         if watchdog:
+            # Stopped and joined before this launch returns: it must never signal the next launch's workers.
             watchdog.stop.set()
+            watchdog.join()
 
 
 def _describe(rank: int, failure) -> str:
@@ -77,7 +83,9 @@ WAITING_CODE = ("/torch/distributed/", "/deepspeed/comm/", "/torch/cuda/")
 
 def child_pids() -> list[int]:
     """The processes this one started and has not yet reaped: the launcher's workers. A child's PID
-    cannot be reused before its parent reaps it, so signalling these never hits a stranger."""
+    is not reused before its parent reaps it; the launcher reaps from another thread, so a worker
+    that exits between this list and the signal could, in principle, lose its PID to another
+    process in that instant. Heartbeat files, which outlive their processes, were far worse."""
     me, children = os.getpid(), []
     proc = Path("/proc")
     if proc.is_dir():
@@ -120,6 +128,7 @@ class HangWatchdog(threading.Thread):
         self.logs, self.nproc, self.timeout, self.backend = logs, nproc, timeout, backend
         self.stop = threading.Event()
         self.verdict: str | None = None
+        self.firing = threading.Event()  # set once the timeout has passed and the diagnosis began
         self.started = time.time()
 
     def heartbeats(self) -> dict[int, dict]:
@@ -139,13 +148,17 @@ class HangWatchdog(threading.Thread):
             beats = self.heartbeats()
             last = max([self.started, *(b["time"] for b in beats.values())])
             if time.time() - last >= self.timeout:
-                self.verdict = self.diagnose(beats)
+                self.firing.set()
+                verdict = self.diagnose(beats)
+                if self.stop.is_set():  # the launch ended while the stacks were dumped: nothing to end
+                    return
+                self.verdict = verdict
                 signal_children(signal.SIGKILL)
                 return
 
     def diagnose(self, beats: dict[int, dict]) -> str:
         signal_children(signal.SIGUSR1)  # each rank dumps its Python stack (faulthandler, worker.py)
-        time.sleep(2)
+        self.stop.wait(2)
         stuck, waiting = [], []
         for rank in range(self.nproc):
             where = f"during {beats[rank]['where']}" if rank in beats else "before its first heartbeat"

@@ -177,13 +177,11 @@ class MemoryProbe:
     def cublas_workspace_bytes(self) -> int | None:
         """cuBLAS workspaces live in the caching allocator, outside any tensor. Measured as what the
         allocator frees when torch drops them; the next matrix product allocates them again."""
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if not self.cuda or clear is None:
+        if not self.cuda:
             return None
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        clear()
-        return before - torch.cuda.memory_allocated()
+        return before - torch.cuda.memory_allocated() if clear_cublas_workspaces() else None
 
     @contextlib.contextmanager
     def saved_activations(self, strategy: Strategy, into: dict):
@@ -210,6 +208,15 @@ class MemoryProbe:
             # wrong place, which is exactly the case study's mistake.
             raise MeasurementError(f"{strategy.name}: found no gradient tensors after backward")
         return {f"{key}_after_{moment}": value for key, value in counted.items()}
+
+
+def clear_cublas_workspaces() -> bool:
+    """Drops torch's cuBLAS workspaces (CUDA); False where this torch cannot."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_available():
+        return False
+    clear()
+    return True
 
 
 # torch's MemTracker (torch.distributed._tools, private in torch 2.x) keeps one running peak; a

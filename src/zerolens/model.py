@@ -182,8 +182,8 @@ def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
 
 
 def load_user_function(spec: str):
-    """`module:function` -> the function. The module is looked up as `python -m` would: in the
-    current folder first, then on sys.path (PYTHONPATH). ValueError says what is wrong."""
+    """`module:function` -> the function. The module is looked up on sys.path (PYTHONPATH) and in the
+    current folder, as `python -m` finds it. ValueError says what is wrong."""
     import importlib
     import os
     import sys
@@ -191,7 +191,9 @@ def load_user_function(spec: str):
     if not module_name or not name:
         raise ValueError(f"expected module:function, got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the `zerolens` script, unlike `python -m`, leaves it out
+        # The `zerolens` script, unlike `python -m`, leaves it out. Appended, not put first: a folder
+        # in it must not shadow an installed package (a local `deepspeed/`, say).
+        sys.path.append(os.getcwd())
     try:
         function = getattr(importlib.import_module(module_name), name)
     except ModuleNotFoundError as e:

@@ -200,5 +200,7 @@ def bench_plot(summary: dict, path: Path) -> Path:
         memory_ax.set_title("Peak memory")
     else:
         memory_ax.set_axis_off()
-        memory_ax.text(0.5, 0.5, "no allocator peak on CPU", ha="center", va="center")
+        why = ("no allocator peak on CPU" if summary["device"] != "cuda" else
+               "peaks not reported: earlier strategies' memory\nwas still allocated (see bench.md)")
+        memory_ax.text(0.5, 0.5, why, ha="center", va="center")
     return _save(fig, path)

@@ -182,12 +182,19 @@ of a tensor-allocation tracker (torch's MemTracker) on the last step.
 
 
 def _umask() -> int:
+    """The process's umask: from /proc on Linux (reading it leaves it alone), else by setting it
+    and back, which is done once, at import, before any thread of ours runs."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-# Read once: os.umask can only be read by setting it, which is not safe once threads run.
 UMASK = _umask()
 
 

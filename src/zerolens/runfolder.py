@@ -37,6 +37,8 @@ def new_run_folder(out: Path, overwrite: bool = False) -> Path:
     """An empty, marked run folder at `out`. An existing non-empty folder is replaced only with
     `overwrite`, and only if zerolens created it; anything else is a UserError and nothing is
     touched."""
+    if out.is_symlink():
+        raise UserError(f"--out {out} is a symbolic link; give the folder it points to, or another --out")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder; choose another --out")
     if out.exists() and any(out.iterdir()):
@@ -44,8 +46,8 @@ def new_run_folder(out: Path, overwrite: bool = False) -> Path:
             raise UserError(f"run folder {out} already exists and is not empty; choose another --out, "
                             "or replace it with --overwrite")
         if not is_run_folder(out):
-            raise UserError(f"--overwrite: {out} was not created by zerolens (it has no {MARKER} marker); "
-                            "not deleting it")
+            raise UserError(f"--overwrite: {out} was not created by zerolens (it has no {MARKER} marker; run "
+                            "folders from before zerolens marked them have none either); not deleting it")
         shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)

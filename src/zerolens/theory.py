@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 
+from .compat import release
+
 ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor (4-byte alignment for 2-byte types)
 
 
@@ -90,16 +92,14 @@ DEEPSPEED_0_19 = DeepSpeedLayout()
 
 def deepspeed_layout(version: str | None = None) -> DeepSpeedLayout:
     """The layout of DeepSpeed `version` ("0.17.6"), by default the installed one (read from the
-    package metadata: DeepSpeed is not imported; 0.19's when it is not installed)."""
+    package metadata: DeepSpeed is not imported; 0.19's when it is not installed). Which releases
+    zerolens supports is compat.py's business, checked before anything runs."""
     if version is None:
         try:
             version = installed_version("deepspeed")
         except PackageNotFoundError:
             return DEEPSPEED_0_19
-    major_minor = tuple(int(x) for x in version.split(".")[:2])
-    if major_minor < (0, 16):
-        raise ValueError(f"DeepSpeed {version}: zerolens supports DeepSpeed 0.16 to 0.19")
-    return DeepSpeedLayout(zero0_bf16_wrapper="BF16_Optimizer" if major_minor < (0, 17) else "FP16_UnfusedOptimizer")
+    return DeepSpeedLayout(zero0_bf16_wrapper="BF16_Optimizer" if release(version) < (0, 17) else "FP16_UnfusedOptimizer")
 
 
 # --- What each rank keeps between steps, per strategy -------------------------------------------

@@ -28,6 +28,7 @@ class Phase:
     name: str = "start"
     rank: int = 0
     fault: Fault | None = None  # ZEROLENS_FAULT, for tests of failures
+    device: torch.device | None = None  # where a `leak` fault allocates
     # Where the rank says how far it got, for the launcher's hang watchdog (launch.py): rewritten
     # whenever the strategy, step or phase changes.
     heartbeat: Path | None = None
@@ -40,7 +41,7 @@ class Phase:
     def enter(self, name: str) -> None:
         """Now in training phase `name`; where ZEROLENS_FAULT says so, fail here (faults.py)."""
         self.name = name
-        inject(self.fault, self.rank, self.step, name)
+        inject(self.fault, self.rank, self.step, name, self.device)
 
     def __str__(self):
         where = self.name if self.strategy == "-" else f"{self.name} of {self.strategy}"
@@ -102,7 +103,6 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         leftover_blocks = probe.live_block_sizes()
     model = build_model(model_config, seed)
     strategy.setup(model, device)
-    run.notes = strategy.notes()
     # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
     torch.manual_seed(seed + 1 + rank)
     start = time.perf_counter()
@@ -110,6 +110,7 @@ def train_strategy(strategy: Strategy, *, model_config: ModelConfig, steps: int,
         run_steps(strategy, run, probe, phase, model_config=model_config, steps=steps, seed=seed, signal=signal,
                   micro_batch=micro_batch, device=device, leftover_blocks=leftover_blocks, bar=bar)
     run.seconds = time.perf_counter() - start
+    run.notes = strategy.notes()  # after the steps: some notes are about what a step did
     phase.step, phase.name = -1, "teardown"
     del model
     strategy.teardown()

@@ -30,7 +30,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import report
 from .config import UserError, VerifyConfig, add_bench_arguments, add_verify_arguments, config_from_args
-from .faults import fault_from_environment
+from .faults import fault_from_environment, leaked_bytes
+from .measure import clear_cublas_workspaces
 from .model import parameter_shapes
 from .runfolder import default_run_folder, is_run_folder, new_run_folder
 from .strategies import make_strategy
@@ -170,17 +171,20 @@ def results_path(out: Path, strategy: str) -> Path:
     return out / "results" / f"{strategy}.json"
 
 
-def memory_left_behind(device: torch.device, allocated_before: int) -> int:
-    """CUDA: bytes a strategy left allocated after its teardown, the most of any rank (0 on CPU, where
-    the peaks come from a tracker that sees only the tensors of its own strategy). cuBLAS workspaces
-    are dropped first: every strategy allocates its own on its first matrix product."""
+def allocated_now(device: torch.device) -> int:
+    """CUDA: what the caching allocator holds. CPU: no allocator to ask; only what a `leak` fault keeps
+    (faults.py) is known, which is how the tests reach the relaunch on CPU."""
     if device.type != "cuda":
-        return 0
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+        return leaked_bytes(device)
     torch.cuda.synchronize()
-    left = torch.tensor([torch.cuda.memory_allocated() - allocated_before], device=device)
+    return torch.cuda.memory_allocated()
+
+
+def memory_left_behind(device: torch.device, allocated_before: int) -> int:
+    """Bytes a strategy left allocated after its teardown, the most of any rank. cuBLAS workspaces
+    are dropped first: every strategy allocates its own on its first matrix product."""
+    clear_cublas_workspaces()
+    left = torch.tensor([allocated_now(device) - allocated_before], device=device)
     dist.all_reduce(left, op=dist.ReduceOp.MAX)
     return max(0, int(left.item()))
 
@@ -224,7 +228,7 @@ def run_strategies(job: str, config: VerifyConfig, device: torch.device, out: Pa
         batches = bench_batches(config)
     left_by_earlier = 0
     for i, name in enumerate(todo):
-        allocated_before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        allocated_before = allocated_now(device)
         result = run_strategy(job, name, config, device, phase, batches, left_by_earlier)
         result["earlier_strategies_left_bytes"] = left_by_earlier
         phase.strategy, phase.step = name, -1
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     try:
-        config = config_from_args(args, world_size=world_size)
+        config = config_from_args(args, world_size=world_size, checked=args.resume)
     except UserError as e:
         if rank == 0:
             print(f"zerolens: {e}", file=sys.stderr)
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     stack_file = watch_for_hangs(out / "logs", rank, phase) if out is not None else None
     try:
         phase.enter("init")
-        device = init_distributed(config, local_rank)
+        device = phase.device = init_distributed(config, local_rank)
         try:
             out = agree_on_run_folder(config, args)
         except UserError as e:
