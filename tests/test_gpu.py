@@ -74,3 +74,17 @@ def test_a_hang_on_nccl_names_the_rank_that_stopped(tmp_path):
     assert result.returncode == 1
     assert "rank 1 during backward of zero0 at step 3 stopped answering" in result.stderr, result.stderr
     assert "rank 0 during" in result.stderr and "was waiting for it" in result.stderr
+
+
+def test_memory_left_behind_on_a_gpu_starts_the_next_strategy_afresh(tmp_path):
+    """A strategy that leaves CUDA memory allocated (1 MiB, a `leak` fault on rank 0) ends its launch;
+    the next starts in new processes, with what a fresh process has allocated."""
+    out = tmp_path / "leak"
+    result = zerolens("verify", "--preset", "gpt-tiny", "--strategies", "ddp,zero2", "--steps", "6", "--out", str(out),
+                      timeout=600, env={"ZEROLENS_FAULT": "rank=0,step=1,phase=step,kind=leak"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategies"]["ddp"]["left_allocated_after_teardown_bytes"] == 2**20
+    ddp, zero2 = (summary["strategies"][n]["ranks"] for n in ("ddp", "zero2"))
+    assert [r["allocated_at_start"] for r in zero2] == [r["allocated_at_start"] for r in ddp]
+    assert any("ran in fresh worker processes" in n for n in summary["notes"])
