@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from . import __version__, report
-from .config import PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, config_from_args, parse_strategies
+from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, config_from_args,
+                     parse_strategies)
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
 from .faults import fault_from_environment
 from .model import PRESETS
