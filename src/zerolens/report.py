@@ -216,7 +216,3 @@ def write_atomic(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
