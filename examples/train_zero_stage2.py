@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zerolens.census import count
 from zerolens.data import global_batch, rank_slice
 from zerolens.model import ModelConfig, build_model
-from zerolens.strategies import DeepSpeedZero, TrainSettings
+from zerolens.strategies import TrainSettings, make_strategy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["stage2", "baseline"])
@@ -41,7 +41,7 @@ if rank == 0 and not cuda:
 
 config = ModelConfig()
 settings = TrainSettings(precision=precision, lr=1e-4, micro_batch=8, world_size=world_size)
-strategy = DeepSpeedZero(2 if args.mode == "stage2" else 0, settings)
+strategy = make_strategy("zero2" if args.mode == "stage2" else "zero0", settings)
 strategy.setup(build_model(config, args.seed), device)
 torch.manual_seed(args.seed + 1 + rank)
 

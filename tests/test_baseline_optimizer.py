@@ -15,9 +15,10 @@ from zerolens.theory import deepspeed_layout
 def state_after_setup(rank, world_size):
     import deepspeed
     from zerolens.model import ModelConfig, build_model
-    from zerolens.strategies import DeepSpeedZero, TrainSettings, loss_factor_of_backward, loss_scale
+    from zerolens.strategies import TrainSettings, make_strategy
+    from zerolens.strategies.deepspeed import loss_factor_of_backward, loss_scale
     deepspeed.init_distributed(dist_backend="gloo")
-    strategy = DeepSpeedZero(0, TrainSettings(precision="bf16", lr=1e-3, world_size=world_size))
+    strategy = make_strategy("zero0", TrainSettings(precision="bf16", lr=1e-3, world_size=world_size))
     strategy.setup(build_model(ModelConfig(), seed=0), torch.device("cpu"))
     wrapper, inner = strategy.engine.optimizer, strategy.engine.basic_optimizer
     masters_equal = all(torch.equal(master, p.float()) for low, high in zip(wrapper.fp16_groups, wrapper.fp32_groups)
@@ -38,7 +39,7 @@ def state_after_setup(rank, world_size):
 def test_the_wrapper_step_is_undone_and_the_probe_leaves_nothing():
     (result,) = spawn(state_after_setup, world_size=1, timeout=240)
     assert result["state"] == 0 and result["factor"] in (1.0, result["scale"]) and result["grads_left"] == 0
-    if deepspeed_layout().zero0_bf16_wrapper == "BF16_Optimizer":  # DeepSpeed 0.16: takes no such step
+    if deepspeed_layout().stage0_bf16_wrapper == "BF16_Optimizer":  # DeepSpeed 0.16: takes no such step
         assert result["wrapper"] == "BF16_Optimizer" and result["undone"] is None
         return
     assert result["wrapper"] == "FP16_UnfusedOptimizer" and result["undone"] == "FP16_UnfusedOptimizer"
@@ -47,7 +48,7 @@ def test_the_wrapper_step_is_undone_and_the_probe_leaves_nothing():
 
 
 def test_the_probe_reads_the_factor_a_backward_applies():
-    from zerolens.strategies import loss_factor_of_backward
+    from zerolens.strategies.deepspeed import loss_factor_of_backward
 
     class Scaling:  # what an engine that scales the loss by 1024 does in backward
         class optimizer:
@@ -75,5 +76,5 @@ def test_zero0_and_zero1_train_alike_in_bf16(nproc, tmp_path):
     # N=1 2.23e-02; after it, 1.84e-04 and 1.55e-04 (docs/results/cpu-n1-n8/*-the-fix/).
     assert check["measured"]["max_relative_diff"] <= 2e-3, check["detail"]
     assert result.returncode == 0, result.stdout + result.stderr
-    if deepspeed_layout().zero0_bf16_wrapper == "FP16_UnfusedOptimizer":  # said in every report
+    if deepspeed_layout().stage0_bf16_wrapper == "FP16_UnfusedOptimizer":  # said in every report
         assert any("zerolens cleared that state" in n for n in summary["notes"])

@@ -13,8 +13,11 @@ from distributed import spawn
 from zerolens.census import count
 from zerolens.data import global_batch, rank_slice
 from zerolens.model import ModelConfig, build_model
-from zerolens.strategies import STRATEGIES, TrainSettings, make_strategy
-from zerolens.theory import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout, predict_retained
+from zerolens.strategies import TrainSettings, make_strategy, names
+from zerolens.strategies.registry import predict_retained
+from zerolens.theory import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
+
+STRATEGIES = names()
 
 ODD = ModelConfig(vocab_size=5003, d_model=24, num_layers=1, num_heads=4, ffn_dim=52, num_classes=7, seq_len=8)
 BUCKET = 20_000  # elements: smaller than the model, so buckets are exercised without 100 MB buffers

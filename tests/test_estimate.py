@@ -4,7 +4,7 @@ import json
 from conftest import zerolens
 from zerolens.cli import main
 from zerolens.model import PRESETS, build_model
-from zerolens.theory import predict_retained
+from zerolens.strategies.registry import predict_retained
 
 
 def run_json(capsys, *args):

@@ -2,7 +2,7 @@
 from torch import nn
 
 from zerolens.model import PRESETS, ModelConfig, build_model
-from zerolens.strategies import repeated_blocks
+from zerolens.strategies.fsdp2 import repeated_blocks
 
 
 def test_blocks_are_the_encoder_layers_and_the_gpt_blocks():

@@ -5,7 +5,7 @@ import json
 from conftest import zerolens
 from zerolens.model import PRESETS, build_model
 from zerolens.sweep import across_n, across_n_checks, expected_share, series
-from zerolens.theory import predict_retained
+from zerolens.strategies.registry import predict_retained
 
 
 def point(n: int, grads: int, predicted: int, losses: list[float], *, global_batch: int = 8,

@@ -36,7 +36,8 @@ def test_rank_with_no_parameters_holds_a_zero_buffer():
     assert [r.overlapping_params for r in layout[1:]] == [(), (), ()]
 
 
-from zerolens.theory import deepspeed_estimator, paper_model_states, predict_retained  # noqa: E402
+from zerolens.strategies.registry import predict_retained  # noqa: E402
+from zerolens.theory import deepspeed_estimator, paper_model_states  # noqa: E402
 
 
 def test_predict_ddp_and_zero0_by_hand():
@@ -97,8 +98,8 @@ def test_fsdp2_shards_follow_torch_chunk_including_ranks_with_no_rows():
 def test_deepspeed_layouts_by_release():
     from zerolens.theory import DEEPSPEED_0_19, deepspeed_layout
     assert deepspeed_layout("0.19.8") == deepspeed_layout("0.18.9") == deepspeed_layout("0.17.6") == DEEPSPEED_0_19
-    assert deepspeed_layout("0.16.9").zero0_bf16_wrapper == "BF16_Optimizer"
-    assert deepspeed_layout("0.15.4").zero0_bf16_wrapper == "BF16_Optimizer"  # no error: compat.py refuses it
+    assert deepspeed_layout("0.16.9").stage0_bf16_wrapper == "BF16_Optimizer"
+    assert deepspeed_layout("0.15.4").stage0_bf16_wrapper == "BF16_Optimizer"  # no error: compat.py refuses it
 
 
 def test_predict_zero0_bf16_in_deepspeed_0_16_by_hand():

@@ -21,7 +21,7 @@ from .config import VerifyConfig
 from .data import make_batch, rank_slice
 from .model import build_model, training_flops_per_token
 from .report import GiB, markdown_table
-from .strategies import Strategy
+from .strategies import Strategy, registry
 from .train import Phase, progress_bar
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
@@ -33,6 +33,11 @@ DATASHEET_PEAK_TFLOPS = {
     "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp16": 312.0},
     "NVIDIA A100-SXM4-40GB": {"bf16": 312.0, "fp16": 312.0},
 }
+
+
+# Every strategy is compared with this one (bench.json's key names it, "vs_<reference>").
+REFERENCE = registry.BENCH_REFERENCE
+VS = f"vs_{REFERENCE}"
 
 
 def datasheet_peak(device_name: str, precision: str) -> float | None:
@@ -146,10 +151,10 @@ def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int,
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
         }
     for s in strategies.values():
-        ddp = strategies.get("ddp")
-        s["vs_ddp"] = None if ddp is None else {
-            "step_time": s["step_time_s"] / ddp["step_time_s"],
-            "peak_bytes": s["peak_bytes"] / ddp["peak_bytes"] if s["peak_bytes"] and ddp["peak_bytes"] else None}
+        ref = strategies.get(REFERENCE)
+        s[VS] = None if ref is None else {
+            "step_time": s["step_time_s"] / ref["step_time_s"],
+            "peak_bytes": s["peak_bytes"] / ref["peak_bytes"] if s["peak_bytes"] and ref["peak_bytes"] else None}
     return {"device": config.device, "device_name": device_name, "world_size": config.nproc,
             "precision": config.precision, "preset": config.preset, "model": config.to_json()["model"],
             "params": params, "micro_batch": config.micro_batch, "tokens_per_step": tokens_per_step,
@@ -164,14 +169,14 @@ def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int,
 def render_bench(summary: dict, command: str) -> str:
     rows = []
     for name, s in summary["strategies"].items():
-        vs = s["vs_ddp"] or {}
+        vs = s[VS] or {}
         rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")),
                      f"{s['tokens_per_s']:,.0f}", "-" if s["tflops_per_gpu"] is None else f"{s['tflops_per_gpu']:.1f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
                      "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
                      f"{s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}"])
-    table = markdown_table(["strategy", "step (ms, median)", "vs ddp", "tokens/s", "TFLOP/s per rank", "MFU",
-                            "peak per rank (GiB, max)", "vs ddp", "loss"], rows)
+    table = markdown_table(["strategy", "step (ms, median)", f"vs {REFERENCE}", "tokens/s", "TFLOP/s per rank", "MFU",
+                            "peak per rank (GiB, max)", f"vs {REFERENCE}", "loss"], rows)
     flops = (f"FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}." if summary["flops_per_token"]
              else "FLOPs: not known for a user's model (no TFLOP/s or MFU); tokens are its input elements.")
     mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."

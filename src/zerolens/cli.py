@@ -15,7 +15,7 @@ from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_v
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
 from .faults import fault_from_environment
 from .model import PRESETS
-from .strategies import STRATEGIES
+from .strategies import registry
 from .launch import WorkersFailed, launch_local
 from .runfolder import default_run_folder, new_run_folder
 from .worker import OUT_OF_MEMORY, results_path
@@ -100,15 +100,16 @@ def bench_parser(subparsers) -> None:
                                           "a warm-up and report throughput, MFU and peak memory, with ratios to DDP.")
     add_verify_arguments(p)
     add_bench_arguments(p)
-    p.set_defaults(func=bench_command, job="bench", steps=10, strategies="ddp,zero2", preset="gpt-100m")
+    p.set_defaults(func=bench_command, job="bench", steps=10, strategies=",".join(registry.BENCH_DEFAULT),
+                   preset="gpt-100m")
 
 
 def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.baseline is not None:
-        raise UserError("bench compares every strategy with ddp; --baseline is for verify")
+        raise UserError(f"bench compares every strategy with {registry.BENCH_REFERENCE}; --baseline is for verify")
     if args.steps < 1:
         raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
-    # The workers parse verify's defaults (100 steps, zero0,zero2, case-study): bench's own
+    # The workers parse verify's defaults (100 steps, its strategies, case-study): bench's own
     # defaults must reach them as explicit flags.
     command = shlex.join(["zerolens", *argv])
     try:
@@ -125,7 +126,7 @@ def maxsize_parser(subparsers) -> None:
                                           "without running out of GPU memory: short bench runs, one per depth tried.")
     add_verify_arguments(p)
     add_bench_arguments(p)
-    p.set_defaults(func=maxsize_command, job="bench", strategies="ddp,zero2", preset="gpt-1b")
+    p.set_defaults(func=maxsize_command, job="bench", strategies=",".join(registry.BENCH_DEFAULT), preset="gpt-1b")
 
 
 def maxsize_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -279,7 +280,7 @@ def estimate_parser(subparsers) -> None:
     source.add_argument("--model", metavar="MODULE:FACTORY",
                         help="a function returning your nn.Module; it is built on the meta device")
     source.add_argument("--params", type=float, help="a raw parameter count, e.g. 7.5e9 (the paper's formulas)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default=",".join(registry.names()))
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
                    help="default: what verify runs on GPUs (fp16 for case-study, bf16 for the other presets and "

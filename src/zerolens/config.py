@@ -21,8 +21,7 @@ import torch
 from .compat import check_supported
 from .errors import UserError
 from .model import PRESETS, ModelConfig, parameter_shapes, user_model
-from .theory import fsdp2_shard_elements
-from .strategies import STRATEGIES, TrainSettings, make_strategy
+from .strategies import TrainSettings, registry
 
 
 # AdamW's learning rate per preset. 1e-4 is the case study's. At width 1024 without warm-up it
@@ -40,8 +39,8 @@ PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-ti
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyConfig:
-    strategies: tuple[str, ...] = ("zero0", "zero2")
-    baseline: str = "zero0"
+    strategies: tuple[str, ...] = registry.VERIFY_DEFAULT
+    baseline: str = registry.BASELINE
     nproc: int = 2
     device: str = "cpu"
     precision: str = "bf16"
@@ -69,9 +68,9 @@ class VerifyConfig:
     verbose: bool = False
 
     def __post_init__(self):
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in self.strategies if s not in registry.names()]
         if unknown:
-            raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+            raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(registry.names())}")
         if len(set(self.strategies)) != len(self.strategies):
             raise UserError("--strategies lists a strategy twice")
         if self.baseline not in self.strategies:
@@ -137,9 +136,9 @@ def check_deepspeed_configs(config: VerifyConfig) -> None:
 def validate_deepspeed_configs(config: VerifyConfig, DeepSpeedConfig) -> None:
     settings = config.train_settings()
     for name in config.strategies:
-        if not name.startswith("zero"):
+        if not registry.spec(name).needs_deepspeed:
             continue
-        ds_config = make_strategy(name, settings).ds_config()
+        ds_config = registry.make_strategy(name, settings).ds_config()
         # DeepSpeed checks train_batch_size against the world size it finds, which is 1 here (no process
         # group); the batch arithmetic over the ranks is checked by check_user_ds_config.
         ds_config = {**ds_config, "train_batch_size": ds_config.get("train_micro_batch_size_per_gpu", 1)
@@ -167,17 +166,18 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     strategies = tuple(s.strip() for s in text.split(",") if s.strip())
     if not strategies:
         raise UserError("--strategies is empty")
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in registry.names()]
     if unknown:
-        raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(registry.names())}")
     return strategies
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategies", default="zero0,zero2",
-                        help=f"comma-separated, from {','.join(STRATEGIES)} (default: %(default)s)")
+    parser.add_argument("--strategies", default=",".join(registry.VERIFY_DEFAULT),
+                        help=f"comma-separated, from {','.join(registry.names())} (default: %(default)s)")
     parser.add_argument("--baseline", default=None,
-                        help="the strategy the others are compared with (default: zero0 if listed, else the first)")
+                        help=f"the strategy the others are compared with (default: {registry.BASELINE} if listed, "
+                             "else the first)")
     parser.add_argument("--nproc", type=int, default=None,
                         help="number of ranks (default: the number of GPUs when there are at least 2, else 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -391,12 +391,13 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         fix = f"use --nproc {gpus} or --device cpu" if gpus else "use --device cpu"
         raise UserError(f"--device cuda with {nproc} processes needs {nproc} GPUs, but {gpus} are visible; {fix}")
     strategies = parse_strategies(args.strategies)
-    baseline = args.baseline or ("zero0" if "zero0" in strategies else strategies[0])
+    baseline = args.baseline or registry.default_baseline(strategies)
     check_supported("torch", torch.__version__)
-    uses_deepspeed = any(s.startswith("zero") for s in strategies)
+    uses_deepspeed = bool(registry.needing_deepspeed(strategies))
     if uses_deepspeed:
         if importlib.util.find_spec("deepspeed") is None:
-            raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies ddp,fsdp2-grad,fsdp2)")
+            raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
+                            f"{','.join(registry.without_deepspeed())})")
         check_supported("deepspeed")
     precision, note = args.precision, ""
     if precision is None:
@@ -431,9 +432,13 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                         lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
     if uses_deepspeed and not checked:
         check_deepspeed_configs(config)
-    if any(s.startswith("fsdp2") for s in strategies):
-        try:  # FSDP2 shards every parameter on dim 0: a 0-dimensional one cannot be
-            fsdp2_shard_elements([tuple(shape) for shape in parameter_shapes(config.model)], nproc, 0)
+    # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
+    # refused here, not after the others trained.
+    shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
+    for name in strategies:
+        try:
+            registry.predict_retained(name, [math.prod(s) for s in shapes], nproc, 0, precision,
+                                      reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes)
         except ValueError as e:
-            raise UserError(f"--strategies {','.join(s for s in strategies if s.startswith('fsdp2'))}: {e}") from None
+            raise UserError(f"--strategies {name}: {e}") from None
     return config

@@ -10,12 +10,8 @@ import torch
 from torch import nn
 
 from .model import PRESETS, load_user_function, parameter_shapes
-from .theory import (ELEMENT_BYTES, RETAINED_KEYS, deepspeed_estimator, deepspeed_layout, paper_model_states,
-                     predict_retained, transient_reduce_bucket_bytes)
-
-# The ZeRO paper's stage whose formula applies. Both FSDP2 modes keep parameters, gradients and
-# optimizer states sharded between steps, as stage 3 does.
-STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2-grad": 3, "fsdp2": 3}
+from .strategies import registry
+from .theory import ELEMENT_BYTES, deepspeed_estimator, deepspeed_layout, paper_model_states
 
 
 def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
@@ -42,23 +38,21 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
            "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
            "strategies": {}}
     for name in strategies:
-        stage = STAGE[name]
-        entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, stage),
-                 "deepspeed_estimator_bytes": (deepspeed_estimator(psi, world_size, stage,
+        spec = registry.spec(name)
+        entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, spec.paper_stage),
+                 "deepspeed_estimator_bytes": (deepspeed_estimator(psi, world_size, spec.paper_stage,
                                                                    max(param_numels) if param_numels else 0)
-                                               if name.startswith("zero") else None)}
+                                               if spec.needs_deepspeed else None)}
         if param_numels is None:
-            entry["components"] = unpadded_components(name, psi, world_size, precision)
+            entry["components"] = unpadded_components(spec, psi, world_size, precision)
             entry["ranks"] = None
         else:
             ranks = []
             for rank in range(world_size):
-                r = predict_retained(name, param_numels, world_size, rank, precision,
-                                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
-                                     deepspeed=deepspeed_layout())  # the installed DeepSpeed's
-                r = {"rank": rank, **{k: r[k] for k in RETAINED_KEYS}}
-                r["transient_reduce_bucket_bytes"] = transient_reduce_bucket_bytes(name, precision,
-                                                                                   reduce_bucket_size)
+                r = {"rank": rank, **registry.predict_retained(
+                    name, param_numels, world_size, rank, precision, reduce_bucket_size=reduce_bucket_size,
+                    param_shapes=param_shapes, deepspeed=deepspeed_layout())}  # the installed DeepSpeed's
+                r["transient_reduce_bucket_bytes"] = spec.reduce_bucket_bytes(precision, reduce_bucket_size)
                 # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
                 # of the gradients, ZeRO-3's reduce bucket).
                 r["retained_total_bytes"] = (r["param_bytes"] + r["grad_bytes_after_step"]
@@ -69,23 +63,12 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     return out
 
 
-def unpadded_components(strategy: str, psi: float, world_size: int, precision: str) -> dict:
-    """Per-rank bytes by component from a parameter count alone: the same layouts as
-    theory.predict_retained (DDP's fp32 weights and gradients under autocast and its bucket copy;
+def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int, precision: str) -> dict:
+    """Per-rank bytes by component from a parameter count alone: the strategy's layout (the
+    registry's `unpadded`: DDP's fp32 weights and gradients under autocast and its bucket copy;
     DeepSpeed's 16-bit weights with fp32 masters; FSDP2's fp32 shards) without the padding and
     partition-boundary terms, which need the parameters' sizes."""
-    e, n = ELEMENT_BYTES[precision], world_size
-    fp32_masters = 4 if e == 2 else 0
-    layouts = {
-        "ddp": (4 * psi, 4 * psi, 8 * psi, 4 * psi),
-        "zero0": (e * psi, e * psi, (fp32_masters + 8) * psi, 0),
-        "zero1": (e * psi, e * psi / n, 12 * psi / n, 0),
-        "zero2": (e * psi, e * psi / n, 12 * psi / n, 0),
-        "zero3": (e * psi / n, e * psi / n, 12 * psi / n, 0),
-        "fsdp2-grad": (4 * psi / n, 4 * psi / n, 8 * psi / n, 0),
-        "fsdp2": (4 * psi / n, 4 * psi / n, 8 * psi / n, 0),
-    }
-    params, grads, states, buffers = layouts[strategy]
+    params, grads, states, buffers = spec.unpadded(psi, world_size, ELEMENT_BYTES[precision])
     return {"param_bytes": params, "grad_bytes_after_backward": grads, "optimizer_state_bytes": states,
             "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states + buffers}
 

@@ -15,8 +15,10 @@ from typing import Callable
 
 from .model import parameter_shapes
 from .report import GiB, markdown_table
+from .strategies import registry
 
 FIRST_GUESS_CAP = 128
+VS = f"params_vs_{registry.BENCH_REFERENCE}"  # maxsize.json's key: parameters against the reference's
 
 # The peak per rank at a depth when it fits; None when a rank ran out of memory.
 Trial = Callable[[int], "int | None"]
@@ -84,9 +86,9 @@ def maxsize_summary(config, searches: dict[str, Search], command: str) -> dict:
             "peak_bytes": search.trials.get(best), "first_failing_depth": best + 1 if best + 1 in search.trials else None,
             "trials": [{"depth": d, "params": params(d), "peak_bytes": peak, "fits": peak is not None}
                        for d, peak in sorted(search.trials.items())]}
-    ddp = strategies.get("ddp")
+    ref = strategies.get(registry.BENCH_REFERENCE)
     for s in strategies.values():
-        s["params_vs_ddp"] = s["params"] / ddp["params"] if ddp and ddp["params"] else None
+        s[VS] = s["params"] / ref["params"] if ref and ref["params"] else None
     return {"command": command, "preset": config.preset, "width": config.model.d_model,
             "micro_batch": config.micro_batch, "precision": config.precision, "world_size": config.nproc,
             "memory_limit_bytes": next((s.limit_bytes for s in searches.values() if s.limit_bytes), None),
@@ -96,10 +98,11 @@ def maxsize_summary(config, searches: dict[str, Search], command: str) -> dict:
 def render_maxsize(summary: dict) -> str:
     rows = [[name, s["max_depth"], f"{s['params'] / 1e9:.2f}B",
              "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.1f}",
-             "-" if s["params_vs_ddp"] is None else f"{s['params_vs_ddp']:.2f}",
+             "-" if s[VS] is None else f"{s[VS]:.2f}",
              ", ".join(f"{t['depth']}{'' if t['fits'] else ' (OOM)'}" for t in s["trials"])]
             for name, s in summary["strategies"].items()]
-    table = markdown_table(["strategy", "max depth", "parameters", "peak at max (GiB)", "params vs ddp",
+    table = markdown_table(["strategy", "max depth", "parameters", "peak at max (GiB)",
+                            f"params vs {registry.BENCH_REFERENCE}",
                             "depths tried"], rows)
     limit = summary["memory_limit_bytes"]
     return f"""# zerolens maxsize

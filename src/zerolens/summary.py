@@ -7,8 +7,8 @@ from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, lo
                      zero_gradient_checks)
 from .config import VerifyConfig
 from .report import MiB
-from .theory import (ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout,
-                     predict_retained)
+from .strategies import registry
+from .theory import ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
 
 
 def median_step_seconds(records: list[dict]) -> float | None:
@@ -97,14 +97,14 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
             "left_allocated_after_teardown_bytes": rank0.get("left_allocated_by_this_strategy_bytes", 0),
         }
         for r, rank in enumerate(strategies[name]["ranks"]):
-            predicted = predict_retained(name, param_numels, config.nproc, r, config.precision,
+            predicted = registry.predict_retained(name, param_numels, config.nproc, r, config.precision,
                                          reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
                                          deepspeed=deepspeed_layout(versions.get("deepspeed")))
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
     base = strategies[config.baseline]
     checks = []
     for name, s in strategies.items():
-        if name in ("zero1", "zero2") and config.nproc > 1:
+        if registry.spec(name).flat_partition and config.nproc > 1:
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
     if config.device == "cuda":
@@ -129,7 +129,7 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
     notes = [config.precision_note] if config.precision_note else []
     notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
     notes += bucket_notes(config, strategies, sum(param_numels))
-    notes += zero3_parameter_note(config, strategies)
+    notes += persistent_parameter_notes(config, strategies)
     notes += leftover_notes(config, strategies, gathered)
     skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
     if skipped:
@@ -185,17 +185,17 @@ def recommended_bucket(psi: int, world_size: int) -> int:
 
 def bucket_notes(config: VerifyConfig, strategies: dict, psi: int) -> list[str]:
     """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
-    every backward, ZeRO-3 keeps one), measured against the baseline's peak where the allocator can tell."""
+    every backward, ZeRO-3 keeps one: the registry says which), measured against the baseline's peak
+    where the allocator can tell."""
     element = ELEMENT_BYTES[config.precision]
     bucket, grads = config.reduce_bucket_size * element, psi * element
     if bucket <= grads:
         return []
     notes = []
     base = strategies[config.baseline]["ranks"][0]["peak_bytes"]
-    lifetime = {"zero1": "allocated on every backward", "zero2": "allocated on every backward",
-                "zero3": "kept for the whole run"}
-    for name in ("zero1", "zero2", "zero3"):
-        if name not in strategies:
+    lifetime = {"every backward": "allocated on every backward", "whole run": "kept for the whole run"}
+    for name in strategies:
+        if registry.spec(name).reduce_bucket is None:
             continue
         peak = strategies[name]["ranks"][0]["peak_bytes"]
         measured = ("" if peak is None or base is None else
@@ -204,21 +204,23 @@ def bucket_notes(config: VerifyConfig, strategies: dict, psi: int) -> list[str]:
                     + (", so sharding costs memory here." if peak > base else "."))
         notes.append(
             f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {bucket / MiB:.1f} MiB "
-            f"buffer {lifetime[name]}, while all of this model's gradients take {grads / MiB:.1f} MiB."
+            f"buffer {lifetime[registry.spec(name).reduce_bucket]}, while all of this model's gradients take {grads / MiB:.1f} MiB."
             f"{measured} Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}: at most one "
             "rank's share of the gradients.")
     return notes
 
 
-def zero3_parameter_note(config: VerifyConfig, strategies: dict) -> list[str]:
+def persistent_parameter_notes(config: VerifyConfig, strategies: dict) -> list[str]:
     """Why ZeRO-3 can hold more parameter bytes than the baseline on a small model."""
-    if "zero3" not in strategies or config.nproc == 1:
+    if config.nproc == 1:
         return []
-    zero3 = max(r["param_bytes"] for r in strategies["zero3"]["ranks"])
     base = max(r["param_bytes"] for r in strategies[config.baseline]["ranks"])
-    if zero3 <= base:
-        return []
-    return [f"zero3 holds {zero3 / MiB:.3f} MiB of parameters per rank against {base / MiB:.3f} MiB under "
-            f"{config.baseline}: beside its 1/{config.nproc} shards, ZeRO-3 keeps every parameter of at most "
-            f"{STAGE3_PERSISTENCE_THRESHOLD:,} elements (param_persistence_threshold) gathered whole on every rank "
-            "after its first use, which on a small model is most of it"]
+    notes = []
+    for name, s in strategies.items():
+        held = max(r["param_bytes"] for r in s["ranks"])
+        if registry.spec(name).keeps_small_params_whole and held > base:
+            notes.append(f"{name} holds {held / MiB:.3f} MiB of parameters per rank against {base / MiB:.3f} MiB "
+                         f"under {config.baseline}: beside its 1/{config.nproc} shards, it keeps every parameter of "
+                         f"at most {STAGE3_PERSISTENCE_THRESHOLD:,} elements (DeepSpeed's param_persistence_threshold) "
+                         "gathered whole on every rank after its first use, which on a small model is most of it")
+    return notes

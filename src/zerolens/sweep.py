@@ -8,12 +8,9 @@ from itertools import groupby
 
 from .checks import check, loss_matches
 from .report import markdown_table, mib
-from .theory import deepspeed_layout, predict_retained
+from .strategies import registry
+from .theory import deepspeed_layout
 
-# Strategies whose retained gradients are split N ways after backward. DeepSpeed stage 1 reduces
-# into partitions at the accumulation boundary, which is every step here (no accumulation);
-# DDP and stage 0 keep whole gradients on every rank.
-SHARDS_GRADIENTS = frozenset({"zero1", "zero2", "zero3", "fsdp2", "fsdp2-grad"})
 
 
 def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: str,
@@ -27,7 +24,7 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
         top = max(s["ranks"], key=lambda r: r["grad_bytes_after_backward"])
         peaks = [r["peak_bytes"] for r in s["ranks"] if r["peak_bytes"] is not None]
         step_times = [r["median_step_seconds"] for r in s["ranks"] if r.get("median_step_seconds") is not None]
-        unsharded = predict_retained(name, numels, 1, 0, summary["precision"], reduce_bucket_size=reduce_bucket_size,
+        unsharded = registry.predict_retained(name, numels, 1, 0, summary["precision"], reduce_bucket_size=reduce_bucket_size,
                                      param_shapes=param_shapes,
                                      deepspeed=deepspeed_layout(summary["versions"].get("deepspeed"))
                                      )["grad_bytes_after_backward"]
@@ -59,7 +56,7 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
 
 def expected_share(strategy: str, world_size: int) -> float:
     """The fraction of the unsharded gradient bytes a rank keeps, before padding."""
-    return 1 / world_size if strategy in SHARDS_GRADIENTS else 1.0
+    return 1 / world_size if registry.spec(strategy).shards_gradients else 1.0
 
 
 def series(points: list[dict]) -> list[list[dict]]:
@@ -115,12 +112,12 @@ def gradient_check(where: str, name: str, point: dict, unsharded: tuple[int, str
     held = s["grad_bytes_after_backward"]
     element_bytes = unsharded_bytes / point["params"]
     slack = element_bytes * (2 * point["largest_param_elements"] + (n - 1) * point["row_elements"]) \
-        if name in SHARDS_GRADIENTS and n > 1 else 0
+        if registry.spec(name).shards_gradients and n > 1 else 0
     if n == 1 and source == "measured at N=1":
         # N=1 is the reference the envelope of the other N is built from: against itself it would
         # pass whatever was measured, so N=1 is held against the prediction alone.
         return check(
-            f"gradients follow {'1/N' if name in SHARDS_GRADIENTS else 'whole'} plus padding ({where}, {name}, N=1)",
+            f"gradients follow {'1/N' if registry.spec(name).shards_gradients else 'whole'} plus padding ({where}, {name}, N=1)",
             held == predicted,
             measured={"bytes": held, "share_of_unsharded": 1.0, "rank": s["rank"]},
             expected={"bytes": predicted, "share": 1.0, "share_bytes": ideal, "padding_bytes": predicted - ideal,
@@ -130,7 +127,7 @@ def gradient_check(where: str, name: str, point: dict, unsharded: tuple[int, str
                    "of the other N, so it is compared with the prediction only")
     within = ideal <= held <= ideal + slack
     return check(
-        f"gradients follow {'1/N' if name in SHARDS_GRADIENTS else 'whole'} plus padding ({where}, {name}, N={n})",
+        f"gradients follow {'1/N' if registry.spec(name).shards_gradients else 'whole'} plus padding ({where}, {name}, N={n})",
         held == predicted and within,
         measured={"bytes": held, "share_of_unsharded": held / unsharded_bytes, "rank": s["rank"]},
         expected={"bytes": predicted, "share": share, "share_bytes": ideal, "padding_bytes": predicted - ideal,

@@ -84,7 +84,7 @@ class DeepSpeedLayout:
     # bf16 without ZeRO, which selects BF16_Optimizer: bf16 weights flat and padded, their bf16
     # gradients kept after the step, a flat fp32 gradient buffer of the same size kept for good,
     # fp32 masters and Adam state on 1/N of it (runtime/bf16_optimizer.py).
-    zero0_bf16_wrapper: str = "FP16_UnfusedOptimizer"
+    stage0_bf16_wrapper: str = "FP16_UnfusedOptimizer"
 
 
 DEEPSPEED_0_19 = DeepSpeedLayout()
@@ -99,7 +99,7 @@ def deepspeed_layout(version: str | None = None) -> DeepSpeedLayout:
             version = installed_version("deepspeed")
         except PackageNotFoundError:
             return DEEPSPEED_0_19
-    return DeepSpeedLayout(zero0_bf16_wrapper="BF16_Optimizer" if release(version) < (0, 17) else "FP16_UnfusedOptimizer")
+    return DeepSpeedLayout(stage0_bf16_wrapper="BF16_Optimizer" if release(version) < (0, 17) else "FP16_UnfusedOptimizer")
 
 
 # --- What each rank keeps between steps, per strategy -------------------------------------------
@@ -134,67 +134,90 @@ def fsdp2_shard_elements(param_shapes: list[tuple[int, ...]], world_size: int, r
     return padded, held
 
 
-def predict_retained(strategy: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
-                     reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
-                     deepspeed: DeepSpeedLayout = DEEPSPEED_0_19) -> dict:
-    """Bytes a rank holds per component, right after backward and after the step.
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What a layout prediction is given: the parameters, the rank, and the settings that shape what
+    it keeps."""
+    param_numels: list[int]
+    world_size: int
+    rank: int
+    precision: str
+    reduce_bucket_size: int = 50_000_000
+    param_shapes: list[tuple[int, ...]] | None = None  # FSDP2 needs them; the others only sizes
+    deepspeed: DeepSpeedLayout = DEEPSPEED_0_19
 
-    The layouts are those of torch DDP (gradient_as_bucket_view=False), DeepSpeed with a torch
-    AdamW (`torch_adam`) and contiguous_gradients (its default), 0.19 unless `deepspeed` says
-    otherwise (see deepspeed_layout), and FSDP2 (torch 2.13), which needs `param_shapes` as well.
-    """
-    psi, tensors = sum(param_numels), len(param_numels)
-    e = ELEMENT_BYTES[precision]
-    if strategy == "ddp":  # fp32 weights and gradients under autocast; buckets mirror the gradients
-        return dict(param_bytes=FP32 * psi, grad_bytes_after_backward=FP32 * psi, grad_bytes_after_step=0,
-                    optimizer_state_bytes=ADAM_MOMENTS * psi + STEP_COUNTER * tensors,
-                    comm_buffer_bytes_after_backward=FP32 * psi, grad_partition_elements=psi)
-    if strategy == "zero0":
-        if precision == "bf16" and deepspeed.zero0_bf16_wrapper == "BF16_Optimizer":
-            # bf16 weights in one flat buffer padded as ZeRO-1/2 pad it, their bf16 gradients (kept
-            # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
-            # never freed); fp32 masters and one Adam state on the rank's 1/N slice
-            # (bf16_optimizer.py, 0.16).
-            p = zero_partition_layout(param_numels, world_size)[rank].partition_elements
-            padded = p * world_size
-            return dict(param_bytes=e * padded, grad_bytes_after_backward=e * psi + FP32 * padded,
-                        grad_bytes_after_step=e * psi + FP32 * padded,
-                        optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
-                        comm_buffer_bytes_after_backward=0, grad_partition_elements=psi)
-        # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
-        masters = FP32 * psi if e == 2 else 0
-        return dict(param_bytes=e * psi, grad_bytes_after_backward=e * psi, grad_bytes_after_step=0,
-                    optimizer_state_bytes=masters + ADAM_MOMENTS * psi + STEP_COUNTER * tensors,
-                    comm_buffer_bytes_after_backward=0, grad_partition_elements=psi)
-    if strategy in ("zero1", "zero2"):  # one flat group; the reduce bucket is freed by backward's end
-        part = zero_partition_layout(param_numels, world_size)[rank]
-        p = part.partition_elements
-        return dict(param_bytes=e * p * world_size, grad_bytes_after_backward=e * part.held_grad_elements,
-                    grad_bytes_after_step=0, optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
-                    comm_buffer_bytes_after_backward=0, grad_partition_elements=p)
-    if strategy == "zero3":  # shards, small parameters kept whole, a persistent gradient partition and bucket
-        shard = stage3_shard_elements(param_numels, world_size)
-        # Small parameters stay gathered after their first use, in a buffer of N padded shards.
-        # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
-        persistent = 0 if world_size == 1 else sum(math.ceil(n / world_size) * world_size for n in param_numels
-                                                   if n <= STAGE3_PERSISTENCE_THRESHOLD)
-        return dict(param_bytes=e * (shard + persistent), grad_bytes_after_backward=e * shard,
-                    grad_bytes_after_step=e * shard, optimizer_state_bytes=(FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
-                    comm_buffer_bytes_after_backward=e * reduce_bucket_size, grad_partition_elements=shard)
-    if strategy in ("fsdp2", "fsdp2-grad"):  # fp32 shards and gradients whatever the precision; the same
-        # after backward under both: reshard_after_forward only decides when the gathered copies go.
-        if param_shapes is None:
-            raise ValueError(f"{strategy}: the prediction needs the parameters' shapes (param_shapes)")
-        padded, held = fsdp2_shard_elements(param_shapes, world_size, rank)
-        return dict(param_bytes=FP32 * padded, grad_bytes_after_backward=FP32 * padded, grad_bytes_after_step=0,
-                    optimizer_state_bytes=ADAM_MOMENTS * held + STEP_COUNTER * tensors,
-                    comm_buffer_bytes_after_backward=0, grad_partition_elements=held)
-    raise ValueError(f"unknown strategy {strategy!r}")
+    @property
+    def psi(self) -> int:
+        return sum(self.param_numels)
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.precision]
 
 
-def transient_reduce_bucket_bytes(strategy: str, precision: str, reduce_bucket_size: int) -> int:
-    """Bytes of the reduce bucket that ZeRO-1/2 allocate on every backward, whatever the model's size."""
-    return ELEMENT_BYTES[precision] * reduce_bucket_size if strategy in ("zero1", "zero2") else 0
+def retained(param_bytes: int, grad_bytes_after_backward: int, grad_bytes_after_step: int,
+             optimizer_state_bytes: int, comm_buffer_bytes_after_backward: int, grad_partition_elements: int) -> dict:
+    """Bytes a rank holds per component, right after backward and after the step (RETAINED_KEYS)."""
+    return dict(param_bytes=param_bytes, grad_bytes_after_backward=grad_bytes_after_backward,
+                grad_bytes_after_step=grad_bytes_after_step, optimizer_state_bytes=optimizer_state_bytes,
+                comm_buffer_bytes_after_backward=comm_buffer_bytes_after_backward,
+                grad_partition_elements=grad_partition_elements)
+
+
+# The layouts below are those of torch DDP (gradient_as_bucket_view=False), DeepSpeed with a torch
+# AdamW (`torch_adam`) and contiguous_gradients (its default), 0.19 unless `deepspeed` says otherwise
+# (see deepspeed_layout), and FSDP2 (torch 2.13). The strategy registry (strategies/registry.py)
+# says which strategy keeps which.
+
+def torch_ddp_layout(x: Layout) -> dict:
+    """fp32 weights and gradients under autocast; the buckets mirror the gradients."""
+    psi = x.psi
+    return retained(FP32 * psi, FP32 * psi, 0, ADAM_MOMENTS * psi + STEP_COUNTER * len(x.param_numels), FP32 * psi, psi)
+
+
+def deepspeed_stage0_layout(x: Layout) -> dict:
+    """DeepSpeed without ZeRO: whole 16-bit (or fp32) weights and gradients, fp32 masters in 16-bit."""
+    psi, e = x.psi, x.element_bytes
+    if x.precision == "bf16" and x.deepspeed.stage0_bf16_wrapper == "BF16_Optimizer":
+        # bf16 weights in one flat buffer padded as ZeRO-1/2 pad it, their bf16 gradients (kept
+        # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
+        # never freed); fp32 masters and one Adam state on the rank's 1/N slice
+        # (bf16_optimizer.py, 0.16).
+        p = zero_partition_layout(x.param_numels, x.world_size)[x.rank].partition_elements
+        padded = p * x.world_size
+        return retained(e * padded, e * psi + FP32 * padded, e * psi + FP32 * padded,
+                        (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, psi)
+    # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
+    masters = FP32 * psi if e == 2 else 0
+    return retained(e * psi, e * psi, 0, masters + ADAM_MOMENTS * psi + STEP_COUNTER * len(x.param_numels), 0, psi)
+
+
+def deepspeed_flat_partition_layout(x: Layout) -> dict:
+    """ZeRO-1/2: one flat group; the reduce bucket is freed by backward's end."""
+    part = zero_partition_layout(x.param_numels, x.world_size)[x.rank]
+    p, e = part.partition_elements, x.element_bytes
+    return retained(e * p * x.world_size, e * part.held_grad_elements, 0, (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
+                    0, p)
+
+
+def deepspeed_stage3_layout(x: Layout) -> dict:
+    """ZeRO-3: shards, small parameters kept whole, a persistent gradient partition and bucket."""
+    shard, e = stage3_shard_elements(x.param_numels, x.world_size), x.element_bytes
+    # Small parameters stay gathered after their first use, in a buffer of N padded shards.
+    # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
+    persistent = 0 if x.world_size == 1 else sum(math.ceil(n / x.world_size) * x.world_size for n in x.param_numels
+                                                 if n <= STAGE3_PERSISTENCE_THRESHOLD)
+    return retained(e * (shard + persistent), e * shard, e * shard, (FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
+                    e * x.reduce_bucket_size, shard)
+
+
+def fsdp2_layout(x: Layout) -> dict:
+    """fp32 shards and gradients whatever the precision; the same after backward with or without
+    resharding after forward, which only decides when the gathered copies go."""
+    if x.param_shapes is None:
+        raise ValueError("FSDP2's layout needs the parameters' shapes (param_shapes)")
+    padded, held = fsdp2_shard_elements(x.param_shapes, x.world_size, x.rank)
+    return retained(FP32 * padded, FP32 * padded, 0, ADAM_MOMENTS * held + STEP_COUNTER * len(x.param_numels), 0, held)
 
 
 # --- The ZeRO paper (arXiv 1910.02054, section 3) and DeepSpeed's own estimator ----------------------

@@ -34,7 +34,7 @@ from .faults import fault_from_environment, leaked_bytes
 from .measure import clear_cublas_workspaces
 from .model import parameter_shapes
 from .runfolder import default_run_folder, is_run_folder, new_run_folder
-from .strategies import make_strategy
+from .strategies import make_strategy, registry
 from .checks import metrics_complete
 from .summary import build_summary
 from .train import Phase, train_strategy
@@ -83,7 +83,7 @@ def init_distributed(config: VerifyConfig, local_rank: int) -> torch.device:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    if any(s.startswith("zero") for s in config.strategies):
+    if registry.needing_deepspeed(config.strategies):
         import deepspeed
         # DeepSpeed wraps the process group that already exists. On CPU it prints a line per rank
         # about its shared-memory collective op: keep that out of the table unless asked.

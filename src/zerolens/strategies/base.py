@@ -1,0 +1,95 @@
+"""The Strategy interface and what every backend shares: the settings they train with, the loss,
+and the optimizer step of the torch-native ones.
+
+A Strategy wraps a single-device model for data parallelism, runs forward, backward and the
+optimizer step, and says which tensors it holds for each memory component (`holdings`). It
+knows where its backend keeps gradients: under ZeRO-1/2/3 `p.grad` is None after backward and
+the rank's partition lives inside the optimizer.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..census import Holdings
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """What every strategy trains with; the case study's settings by default."""
+    precision: str  # fp16 | bf16 | fp32
+    lr: float = 1e-4
+    micro_batch: int = 8
+    world_size: int = 2
+    reduce_bucket_size: int = 50_000_000
+    # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (0.19:
+    # GRADIENT_CLIPPING_DEFAULT = 1.0), and the case study's config inherits that. We write it
+    # into the DeepSpeed config and clip DDP the same way, or DDP's losses part from the rest.
+    gradient_clipping: float = 1.0
+    # torch's fused AdamW kernel (one launch for all parameters) for every strategy; the default,
+    # foreach, is what the verify results were measured with.
+    fused_adam: bool = False
+    # A user's DeepSpeed config (--ds-config), used instead of the generated one, its "auto" values
+    # filled from the generated one; checked against these settings in config.py.
+    user_ds_config: dict = field(default_factory=dict)
+    # Merged into the DeepSpeed config last (e.g. {"zero_optimization": {"overlap_comm": true}}).
+    ds_override: dict = field(default_factory=dict)
+    verbose: bool = False
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 for a classifier ((B, C) logits, (B,) labels) and a language model
+    ((B, T, V) logits, (B, T) labels) alike."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, clipping: float) -> bool:
+    """The optimizer step of the torch-native strategies: unscale, clip the global gradient norm as
+    DeepSpeed does, step, zero. False when the (fp16) scaler skipped the step for inf/nan
+    gradients, which is exactly when it lowers its scale."""
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    if clipping > 0:
+        scaler.unscale_(optimizer)  # clip the true gradients
+        nn.utils.clip_grad_norm_(module.parameters(), clipping)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return scale_before is None or scaler.get_scale() >= scale_before
+
+
+class Strategy(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        """Wrap the model (fp32, on the CPU) and build the optimizer."""
+
+    @abc.abstractmethod
+    def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> bool:
+        """Optimizer step and zeroing of gradients; False if the step was skipped (fp16 overflow)."""
+
+    @abc.abstractmethod
+    def holdings(self) -> Holdings:
+        """The tensors held now, per component."""
+
+    @abc.abstractmethod
+    def teardown(self) -> None: ...
+
+    def describe(self) -> dict:
+        """The backend settings, for config.json."""
+        return {}
+
+    def notes(self) -> list[str]:
+        """What the user should know about how this backend was run (after setup)."""
+        return []

@@ -1,0 +1,71 @@
+"""torch DistributedDataParallel."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..census import Holdings, optimizer_state_tensors
+from .base import DTYPES, Strategy, TrainSettings, loss_of, scaled_step
+
+
+class TorchDDP(Strategy):
+    """torch DistributedDataParallel: fp32 weights, autocast to the run's precision, torch AdamW.
+
+    DDP also keeps a second copy of the gradients in its buckets (gradient_as_bucket_view=False,
+    the default); those live in C++ and are not counted here as gradients.
+    """
+    name = "ddp"  # the registry names it
+
+    def __init__(self, settings: TrainSettings):
+        self.settings = settings
+
+    def setup(self, model, device):
+        self.device = device
+        self.module = model.to(device)
+        self.model = nn.parallel.DistributedDataParallel(
+            self.module, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr,
+                                           fused=self.settings.fused_adam or None)
+        # DDP's gradient buckets live in C++; a communication hook is the public way to see them.
+        # It does what the built-in hook does (average by all-reduce) and keeps a reference to
+        # each bucket's flat buffer, which the reducer keeps for the life of the model anyway.
+        self.bucket_buffers: dict[int, torch.Tensor] = {}
+        self.model.register_comm_hook(None, self._allreduce_and_remember_bucket)
+        self.autocast_dtype = DTYPES[self.settings.precision]
+        # fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.settings.precision == "fp16")
+
+    def _allreduce_and_remember_bucket(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        self.bucket_buffers[bucket.index()] = bucket.buffer()
+        return allreduce_hook(None, bucket)
+
+    def forward_loss(self, tokens, labels):
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                            enabled=self.settings.precision != "fp32"):
+            logits = self.model(tokens.to(self.device))
+        return loss_of(logits, labels.to(self.device))
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
+
+    def holdings(self):
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        return Holdings(param=params, grad=grads,
+                        optimizer_state=optimizer_state_tensors(self.optimizer),
+                        comm_buffer=list(self.bucket_buffers.values()),
+                        grad_partition_elements=sum(g.numel() for g in grads))
+
+    def teardown(self):
+        del self.model, self.module, self.optimizer, self.bucket_buffers
+
+    def describe(self):
+        return {"backend": "torch.nn.parallel.DistributedDataParallel",
+                "optimizer": "torch.optim.AdamW" + (" (fused)" if self.settings.fused_adam else ""),
+                "lr": self.settings.lr, "autocast": self.settings.precision,
+                "gradient_clipping": self.settings.gradient_clipping,
+                "gradient_as_bucket_view": False}

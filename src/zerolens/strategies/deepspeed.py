@@ -1,0 +1,267 @@
+"""DeepSpeed at ZeRO stage 0 (no ZeRO), 1, 2 or 3, with what zerolens corrects in it."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from ..census import Holdings, MeasurementError, optimizer_state_tensors, required
+from .base import Strategy, TrainSettings, loss_of
+
+
+def merged(base: dict, override: dict) -> dict:
+    """`base` with `override` merged in, nested dictionaries key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def with_autos_filled(user: dict, ours: dict) -> dict:
+    """A user's DeepSpeed config with every "auto" (Hugging Face's convention) replaced by the value
+    at the same place in ours; an "auto" we have no value for is left out (DeepSpeed's default).
+    Sections the user's config lacks that DeepSpeed needs to train (the optimizer, the batch sizes,
+    the precision) come from ours."""
+    def fill(u: dict, o: dict) -> dict:
+        out = {}
+        for key, value in u.items():
+            if value == "auto":
+                if key in o:
+                    out[key] = o[key]
+            elif isinstance(value, dict):
+                out[key] = fill(value, o.get(key, {}) if isinstance(o.get(key), dict) else {})
+            else:
+                out[key] = value
+        return out
+    filled = fill(user, ours)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+                "bf16", "fp16", "gradient_clipping", "steps_per_print"):
+        if key not in filled and key in ours:
+            filled[key] = ours[key]
+    return filled
+
+
+def undo_wrapper_init_step(engine) -> str | None:
+    """DeepSpeed's 16-bit optimizers without ZeRO (FP16_UnfusedOptimizer, FP16_Optimizer) run one
+    step of the wrapped optimizer on zero gradients in their constructor (initialize_optimizer_states).
+    For AdamW that sets its step counter to 1 before any training, so the first updates get the bias
+    correction of later steps (about 0.74x, 0.86x, 0.91x of the update for a steady gradient), and
+    weight decay shrinks the fp32 master weights once. ZeRO-1/2/3 take no such step. Where the
+    wrapped optimizer holds state right after initialize (the behaviour, whatever the release), the
+    state is cleared and the masters are copied again from the 16-bit weights they were made from.
+    Returns the wrapper's name where this was done, else None."""
+    wrapper, inner = engine.optimizer, engine.basic_optimizer
+    if wrapper is inner or inner is None or not any(inner.state.values()):
+        return None
+    kind = type(wrapper).__name__
+    with torch.no_grad():
+        if kind == "FP16_UnfusedOptimizer":  # a fp32 master per parameter
+            for low, high in zip(required(wrapper, "fp16_groups"), required(wrapper, "fp32_groups")):
+                for p, master in zip(low, high):
+                    master.copy_(p)
+        elif kind == "FP16_Optimizer":  # one flat fp32 master per group
+            for low, high in zip(required(wrapper, "fp16_groups_flat"), required(wrapper, "fp32_groups_flat")):
+                high.copy_(low)
+        else:
+            raise MeasurementError(f"DeepSpeed's {kind} stepped its optimizer before training; zerolens does not "
+                                   "know how to undo that for this wrapper")
+    inner.state.clear()
+    return kind
+
+
+def loss_scale(optimizer) -> float:
+    """The current fp16 loss scale of a DeepSpeed 16-bit optimizer (its attribute moved in 0.19)."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    return float(required(config, "cur_scale") if config is not None else required(optimizer, "cur_scale"))
+
+
+def loss_factor_of_backward(engine, params: list[torch.Tensor]) -> float:
+    """By what factor engine.backward() multiplies the loss it is given: the gradient that reaches a
+    zero-valued probe loss, built from every parameter. The probe's zero gradients are dropped."""
+    probe = torch.stack([p.reshape(-1)[0].float() for p in params]).sum() * 0.0
+    seen = []
+    probe.register_hook(lambda grad: seen.append(float(grad)))
+    engine.backward(probe)
+    engine.optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+    if not seen:
+        raise MeasurementError("engine.backward() of a probe loss did not reach the loss; cannot tell how "
+                               "this DeepSpeed scales it")
+    return seen[0]
+
+
+class DeepSpeedZero(Strategy):
+    """DeepSpeed at ZeRO stage 0 (no ZeRO: the case study's baseline), 1, 2 or 3."""
+
+    def __init__(self, settings: TrainSettings, *, stage: int):
+        self.stage = stage
+        self.name = f"deepspeed-stage{stage}"  # the registry names it
+        self.settings = settings
+
+    def ds_config(self) -> dict:
+        s = self.settings
+        config = {
+            "train_batch_size": s.micro_batch * s.world_size,
+            "train_micro_batch_size_per_gpu": s.micro_batch,
+            "gradient_accumulation_steps": 1,
+            # torch_adam: the same AdamW update without FusedAdam's JIT build, which takes ~40 s
+            # and crashes on TORCH_CUDA_ARCH_LIST values such as "9.0a" (DeepSpeed 0.19.8).
+            "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "torch_adam": True,
+                                                      **({"fused": True} if s.fused_adam else {})}},
+            "gradient_clipping": s.gradient_clipping,
+            "steps_per_print": 1 << 30,
+        }
+        if s.precision != "fp32":
+            config[s.precision] = {"enabled": True}
+        if self.stage > 0:
+            config["zero_optimization"] = {"stage": self.stage, "reduce_bucket_size": s.reduce_bucket_size,
+                                           "reduce_scatter": True}
+        if s.user_ds_config:
+            config = with_autos_filled(s.user_ds_config, config)
+            # The strategy decides the stage; the DeepSpeed config's own, if any, is replaced.
+            config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": self.stage}
+        return merged(config, s.ds_override)
+
+    def setup(self, model, device):
+        import deepspeed
+        self.device = device
+        self.module = model
+        quiet = contextlib.nullcontext() if self.settings.verbose else contextlib.redirect_stdout(io.StringIO())
+        with quiet:
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=self.ds_config())
+        self.undid_init_step = undo_wrapper_init_step(self.engine)
+        self.scale_loss_ourselves = self._engine_forgets_fp16_loss_scale()
+
+    def _engine_forgets_fp16_loss_scale(self) -> bool:
+        """DeepSpeed 0.19's engine.backward() scales the loss only for ZeRO optimizers, yet with fp16
+        and no ZeRO its FP16_(Unfused)Optimizer.step() divides the gradients by the loss scale
+        (65536), so Adam sees gradients 65536x too small and the baseline trains slower (measured on
+        2xH200: final loss 2.04 against 1.87 for DDP and ZeRO-1/2/3). DeepSpeed PR #8393 fixes it by
+        scaling the loss in engine.backward(). Rather than trust a version number, we watch what
+        engine.backward() does: a backward of a zero-valued probe loss, whose own gradient is the
+        factor the engine multiplied it by. 1 where the scale is not 1: the engine forgets it, and
+        we scale the loss ourselves (never twice: a release that scales it is seen to)."""
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+        optimizer = self.engine.optimizer
+        if not self.engine.fp16_enabled() or isinstance(optimizer, ZeROOptimizer):
+            return False  # bf16 and fp32 need no scaling; ZeRO optimizers scale the loss themselves
+        scale = loss_scale(optimizer)
+        if scale == 1:
+            return False  # nothing to tell apart, and nothing lost
+        return loss_factor_of_backward(self.engine, [p for p in self.module.parameters() if p.requires_grad]) == 1
+
+    def notes(self):
+        notes = []
+        user_stage = (self.settings.user_ds_config.get("zero_optimization") or {}).get("stage")
+        if user_stage not in (None, "auto", self.stage):
+            notes.append(f"{self.name}: --ds-config says stage {user_stage}; {self.name} runs stage {self.stage}")
+        if getattr(self, "undid_init_step", None):  # known after setup
+            notes.append(f"{self.name}: DeepSpeed's {self.undid_init_step} ran one optimizer step on zero gradients "
+                         "when it was built (initialize_optimizer_states), so AdamW's first real update would use "
+                         "the bias correction of its second; zerolens cleared that state and restored the fp32 master "
+                         "weights, so that this baseline trains the same AdamW as the other strategies")
+        if getattr(self, "cleared_kept_grads", False):
+            notes.append(f"{self.name}: this DeepSpeed kept the 16-bit gradients after the step without ZeRO, so the "
+                         "next backward would add to them (fixed by DeepSpeed PR #7839); zerolens cleared them after "
+                         "each step, as later releases do")
+        if getattr(self, "scale_loss_ourselves", False):
+            notes.append(f"{self.name}: this DeepSpeed does not scale the fp16 loss in engine.backward() without ZeRO "
+                         "but divides the gradients by the loss scale at step (DeepSpeed PR #8393); zerolens saw it "
+                         "do so and scales the loss itself so that this baseline trains correctly")
+        return notes
+
+    def forward_loss(self, tokens, labels):
+        logits = self.engine(tokens.to(self.device))
+        return loss_of(logits, labels.to(self.device))
+
+    def backward(self, loss):
+        if self.scale_loss_ourselves:
+            loss = loss * loss_scale(self.engine.optimizer)
+        self.engine.backward(loss)
+
+    def step(self):
+        # Without autograd: DeepSpeed 0.18 builds ZeRO-1/2's flat parameter buffer from the parameters
+        # without detaching it (stage_1_and_2.py, flatten_on_gpu; 0.19 adds .detach()), so the step's
+        # all-gather into it fails on gloo ("Output 0 of Split is a view and is being modified
+        # inplace"). Nothing in a step needs autograd; under 0.19 the bytes held, the losses and the
+        # weights are bitwise the same with it and without.
+        with torch.no_grad():
+            self.engine.step()
+        if self.engine.optimizer.__class__.__name__ == "FP16_UnfusedOptimizer" and any(
+                p.grad is not None for p in self.module.parameters()):
+            # DeepSpeed 0.17 zeroes 16-bit gradients after the step only under ZeRO (engine.py,
+            # _take_model_step; fixed by DeepSpeed PR #7839), so without ZeRO the next backward adds to
+            # the last step's gradients. Seen, not assumed from a version: cleared, as 0.18 does.
+            for p in self.module.parameters():
+                p.grad = None
+            self.cleared_kept_grads = True
+        return bool(self.engine.was_step_applied())
+
+    def holdings(self):
+        optimizer = self.engine.optimizer
+        kind = type(optimizer).__name__
+        params = list(self.module.parameters())
+        model_grads = [p.grad for p in params if p.grad is not None]
+        basic_state = optimizer_state_tensors(self.engine.basic_optimizer)
+
+        def fp32_grads(tensors):
+            return [t.grad for t in tensors if t.grad is not None]
+
+        if kind == "DeepSpeedZeroOptimizer":  # stages 1 and 2
+            masters = required(optimizer, "single_partition_of_fp32_groups")
+            partitions = [g for g in required(optimizer, "averaged_gradients").values() if g is not None]
+            partition_grads = [t for group in partitions for t in group]
+            return Holdings(param=params, grad=model_grads + partition_grads + fp32_grads(masters),
+                            optimizer_state=masters + basic_state, comm_buffer=reduce_buckets(optimizer),
+                            grad_partition_elements=sum(t.numel() for t in partition_grads))
+        if kind == "DeepSpeedZeroOptimizer_Stage3":
+            # Partitioned parameters keep a 0-element p.data and their shard in p.ds_tensor.
+            shards = [required(p, "ds_tensor") for p in params]
+            masters = required(optimizer, "fp32_partitioned_groups_flat")
+            grad_buffer = required(optimizer, "grad_partitions_flat_buffer")  # persistent, 1/N of the grads
+            return Holdings(param=params + shards, grad=model_grads + [grad_buffer] + fp32_grads(masters),
+                            optimizer_state=masters + basic_state, comm_buffer=reduce_buckets(optimizer),
+                            grad_partition_elements=grad_buffer.numel())
+        if kind == "FP16_UnfusedOptimizer":  # stage 0, fp16/bf16 with a torch optimizer
+            masters = [t for group in required(optimizer, "fp32_groups") for t in group]
+        elif kind == "FP16_Optimizer":  # stage 0, fp16 with FusedAdam
+            masters = list(required(optimizer, "fp32_groups_flat"))
+        elif kind == "BF16_Optimizer":  # stage 0 in bf16 under DeepSpeed 0.16 (theory.DeepSpeedLayout)
+            masters = list(required(optimizer, "fp32_groups_flat_partition"))
+            model_grads += list(required(optimizer, "fp32_groups_gradients_flat"))
+        elif optimizer is self.engine.basic_optimizer:  # stage 0 in fp32: no wrapper
+            masters = []
+        else:
+            raise MeasurementError(f"zerolens does not know where DeepSpeed's {kind} keeps gradients")
+        grads = model_grads + fp32_grads(masters)
+        return Holdings(param=params, grad=grads, optimizer_state=masters + basic_state, comm_buffer=[],
+                        grad_partition_elements=sum(p.grad.numel() for p in params if p.grad is not None))
+
+    def teardown(self):
+        self.engine.destroy()
+        del self.engine, self.module
+
+    def describe(self):
+        return {"backend": "deepspeed", "ds_config": self.ds_config()}
+
+
+def reduce_buckets(optimizer) -> list[torch.Tensor]:
+    """The flat reduce buckets of a ZeRO-1/2/3 optimizer (contiguous_gradients). DeepSpeed 0.17 and
+    later: one bucket per communication dtype in `ipg_buckets`, whose `buffer` is a list under stage
+    1/2 (emptied at the end of backward) and one tensor under stage 3 (kept). 0.16: stage 1/2 keep
+    a list `ipg_buffer` (None outside backward), stage 3 one `__ipg_bucket_flat_buffer` (name-mangled);
+    neither exists without contiguous_gradients, and then there is no flat bucket."""
+    stage3 = type(optimizer).__name__ == "DeepSpeedZeroOptimizer_Stage3"
+    if hasattr(optimizer, "ipg_buckets"):
+        buckets = optimizer.ipg_buckets.values()
+        if stage3:
+            return [required(b, "buffer") for b in buckets]
+        return [t for b in buckets for t in required(b, "buffer")]
+    if not required(optimizer, "contiguous_gradients"):
+        return []
+    if stage3:
+        return [required(optimizer, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")]
+    return list(required(optimizer, "ipg_buffer") or [])

@@ -1,0 +1,150 @@
+"""PyTorch FSDP2 (torch.distributed.fsdp.fully_shard)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..census import Holdings, optimizer_state_tensors, required
+from .base import DTYPES, Strategy, TrainSettings, loss_of, scaled_step
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks a model repeats: the children of every nn.ModuleList in it (the `encoder.layers`
+    of an nn.TransformerEncoder, the `blocks` of a GPT), in order. Only the outermost lists count:
+    a list inside a block (of experts, say) is sharded with its block. Blocks without parameters
+    have nothing to shard and are left out."""
+    blocks, inside_a_block = [], set()
+    for module in model.modules():  # parents before children
+        if isinstance(module, nn.ModuleList) and module not in inside_a_block:
+            for block in module:
+                if next(block.parameters(), None) is not None:
+                    blocks.append(block)
+                    inside_a_block.update(block.modules())
+    return blocks
+
+
+def fsdp_param_groups(state) -> list:
+    """The parameter groups of one fully_shard call: a list in torch 2.13, one group or None in
+    torch 2.11 (FSDPState in torch/distributed/fsdp/_fully_shard/_fsdp_state.py)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = required(state, "_fsdp_param_group")
+    return [] if group is None else [group]
+
+
+class TorchFSDP2(Strategy):
+    """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard): every parameter sharded on dim 0 over the
+    ranks, one FSDP group per repeated block (repeated_blocks) and one for the rest, the root.
+    fp32 weights; in bf16/fp16 FSDP's MixedPrecisionPolicy gathers them in the run's precision and
+    reduce-scatters the gradients in fp32. torch AdamW on the shards.
+
+    reshard_after_forward=False ("fsdp2-grad") keeps a group's gathered parameters from its forward
+    to its backward, like ZeRO-2's whole parameters; True ("fsdp2") frees them after forward and
+    gathers them again in backward, like ZeRO-3. Between steps both hold the same: the shards.
+    """
+
+    def __init__(self, settings: TrainSettings, *, reshard_after_forward: bool):
+        self.reshard_after_forward = reshard_after_forward
+        self.name = "fsdp2"  # the registry names it
+        self.settings = settings
+
+    def mixed_precision(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        if self.settings.precision == "fp32":
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=DTYPES[self.settings.precision], reduce_dtype=torch.float32)
+
+    def setup(self, model, device):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        self.device = device
+        self.module = model.to(device)
+        # On CPU the mesh's collectives go through gloo, which has the all-gather and the
+        # reduce-scatter FSDP2 calls (torch 2.13); a one-dimensional mesh over all ranks reuses
+        # the default process group (device_mesh.py), so nothing is created per strategy.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                       mp_policy=self.mixed_precision())
+        blocks = repeated_blocks(self.module)
+        for block in blocks:  # bottom-up: a group takes the parameters no inner group has taken
+            fully_shard(block, **options)
+        fully_shard(self.module, **options)
+        # FSDP's per-parameter records: the padded shard, and the gathered copy during forward/backward.
+        self.root_state = fully_shard.state(self.module)
+        self.fsdp_params = [fsdp_param for module in [*blocks, self.module]
+                            for group in fsdp_param_groups(fully_shard.state(module))
+                            for fsdp_param in required(group, "fsdp_params")]
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr,
+                                           fused=self.settings.fused_adam or None)
+        # fp16 needs loss scaling; ShardedGradScaler all-reduces "found inf" over the ranks, since
+        # each rank sees only its shard of the gradients. Disabled, it does nothing.
+        self.scaler = ShardedGradScaler(device.type, enabled=self.settings.precision == "fp16")
+        self.block_count = len(blocks)
+
+    def forward_loss(self, tokens, labels):
+        logits = self.module(tokens.to(self.device))
+        return loss_of(logits, labels.to(self.device))
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        # The norm of DTensor gradients is reduced over the ranks: the global norm, as under DDP.
+        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
+
+    def holdings(self):
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        with torch.no_grad():
+            # A shard is a view into its parameter's own buffer, padded to ceil(dim 0 / N) rows
+            # (FSDPParam._init_sharded_param); the gradients of a group are views into one flat
+            # buffer of the same padded sizes (foreach_reduce). Storages are counted whole.
+            shards = [required(p, "sharded_param") for p in self.fsdp_params]
+            params = [local(p) for p in shards]
+            grads = [local(p.grad) for p in shards if p.grad is not None]
+            state = [local(t) for t in optimizer_state_tensors(self.optimizer)]
+        # Gathered parameters live in all_gather_outputs; FSDP resizes their storage to 0 when it
+        # reshards, so they count only while gathered (after forward under fsdp2-grad).
+        gathered = [t for p in self.fsdp_params for t in required(p, "all_gather_outputs")]
+        return Holdings(param=params + gathered, grad=grads, optimizer_state=state,
+                        comm_buffer=self._comm_buffers(), grad_partition_elements=sum(g.numel() for g in grads))
+
+    def _comm_buffers(self) -> list[torch.Tensor]:
+        """What FSDP2 keeps for its collectives from one op to the next (_fsdp_param_group.py): the
+        last all-gather's flat output, until the next group's copy-in or the root's post-forward;
+        reduce-scatter inputs, until the end of backward (_root_post_backward_final_callback).
+        Between phases both are gone."""
+        context = required(self.root_state, "_comm_ctx")
+        if hasattr(context, "reduce_scatter_states"):  # torch 2.13: a list
+            reduce_scatters = context.reduce_scatter_states
+        else:  # torch 2.11: the last one, or None
+            reduce_scatters = [s for s in [required(context, "reduce_scatter_state")] if s is not None]
+        buffers = [required(s, "reduce_scatter_input") for s in reduce_scatters]
+        gather = required(context, "all_gather_state")
+        if gather is not None:
+            buffers.append(gather.all_gather_result.all_gather_output)
+        return buffers
+
+    def teardown(self):
+        del self.module, self.optimizer, self.scaler, self.fsdp_params, self.root_state
+
+    def describe(self):
+        return {"backend": "torch.distributed.fsdp.fully_shard (FSDP2)",
+                "reshard_after_forward": self.reshard_after_forward,
+                "groups": "one per repeated block (children of each nn.ModuleList), then the root",
+                "mixed_precision": ("none: fp32" if self.settings.precision == "fp32" else
+                                    f"param_dtype {self.settings.precision}, reduce_dtype fp32"),
+                "optimizer": "torch.optim.AdamW" + (" (fused)" if self.settings.fused_adam else ""),
+                "lr": self.settings.lr, "gradient_clipping": self.settings.gradient_clipping}
+
+    def notes(self):
+        if not self.block_count:
+            return [f"{self.name}: the model has no nn.ModuleList of blocks, so FSDP2 shards it as one group "
+                    "and gathers all its parameters at once"]
+        return [f"{self.name}: FSDP2 shards each of the {self.block_count} blocks in the model's nn.ModuleLists as a "
+                "group of its own, and the remaining parameters with the root"]

@@ -1,0 +1,146 @@
+"""The one place that knows each strategy by name: everything other modules ask about one.
+
+A strategy is a backend (a Strategy subclass in ddp.py, deepspeed.py or fsdp2.py) with its options,
+plus what the rest of zerolens needs to know without running it: whether it needs DeepSpeed, which
+stage of the ZeRO paper its model states follow, whether it shards gradients, its layout prediction
+(theory.py), and the buffers it keeps or allocates. Adding a strategy is a backend (or new options
+for one) and one `register` call; nothing outside this package branches on a name.
+
+Importable without torch.distributed or DeepSpeed: backends are imported when a strategy is built.
+Modules named in ZEROLENS_PLUGINS (comma-separated, importable) are imported when this module loads,
+in the CLI and in every worker alike, so that their `register` calls reach both.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..theory import (ELEMENT_BYTES, RETAINED_KEYS, DeepSpeedLayout, Layout, deepspeed_flat_partition_layout,
+                      deepspeed_stage0_layout, deepspeed_stage3_layout, fsdp2_layout, torch_ddp_layout)
+
+# (params, gradients after backward, optimizer states, buffers kept) per rank from a parameter count
+# Ψ, the world size N and the bytes of a 16-bit-or-not element e, without padding.
+Unpadded = Callable[[float, int, int], tuple[float, float, float, float]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategySpec:
+    name: str
+    backend: str  # "module:Class" of the Strategy subclass, imported when the strategy is built
+    options: dict = field(default_factory=dict)  # passed to the backend with the TrainSettings
+    description: str
+    needs_deepspeed: bool
+    paper_stage: int  # the ZeRO paper's stage whose model-state formula applies (DDP: 0)
+    shards_gradients: bool  # after backward each rank keeps about 1/N of the gradients
+    flat_partition: bool = False  # ZeRO-1/2: one flat buffer cut in N equal slices (exact element checks)
+    reduce_bucket: str | None = None  # "every backward" (allocated and freed) | "whole run" (kept) | None
+    keeps_small_params_whole: bool = False  # ZeRO-3's param_persistence_threshold
+    layout: Callable[[Layout], dict]  # retained bytes per component (theory.py)
+    unpadded: Unpadded
+
+    def build(self, settings):
+        """The backend, ready for setup."""
+        module, _, cls = self.backend.partition(":")
+        strategy = getattr(importlib.import_module(module), cls)(settings, **self.options)
+        strategy.name = self.name
+        return strategy
+
+    def reduce_bucket_bytes(self, precision: str, reduce_bucket_size: int) -> int:
+        """The reduce bucket allocated on every backward (0 where none, or where it is kept)."""
+        return ELEMENT_BYTES[precision] * reduce_bucket_size if self.reduce_bucket == "every backward" else 0
+
+
+_REGISTRY: dict[str, StrategySpec] = {}
+
+
+def register(spec: StrategySpec) -> StrategySpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"strategy {spec.name!r} is registered already")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def names() -> tuple[str, ...]:
+    """Every registered strategy, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def spec(name: str) -> StrategySpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(_REGISTRY)}") from None
+
+
+def make_strategy(name: str, settings):
+    return spec(name).build(settings)
+
+
+def predict_retained(name: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
+                     reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
+                     deepspeed: DeepSpeedLayout | None = None) -> dict:
+    """Bytes a rank of strategy `name` holds per component (RETAINED_KEYS), from parameter sizes."""
+    layout = Layout(param_numels=param_numels, world_size=world_size, rank=rank, precision=precision,
+                    reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
+                    **({"deepspeed": deepspeed} if deepspeed is not None else {}))
+    predicted = spec(name).layout(layout)
+    return {k: predicted[k] for k in RETAINED_KEYS}
+
+
+def needing_deepspeed(strategies) -> list[str]:
+    return [s for s in strategies if spec(s).needs_deepspeed]
+
+
+def without_deepspeed() -> list[str]:
+    return [s for s in _REGISTRY if not spec(s).needs_deepspeed]
+
+
+def default_baseline(strategies: tuple[str, ...]) -> str:
+    """The case study's baseline, DeepSpeed without ZeRO, when it runs; else the first strategy."""
+    return BASELINE if BASELINE in strategies else strategies[0]
+
+
+# --- The strategies zerolens knows -----------------------------------------------------------------
+DDP = "zerolens.strategies.ddp:TorchDDP"
+DEEPSPEED = "zerolens.strategies.deepspeed:DeepSpeedZero"
+FSDP2 = "zerolens.strategies.fsdp2:TorchFSDP2"
+
+register(StrategySpec(
+    name="ddp", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False,
+    description="torch DistributedDataParallel: fp32 weights, autocast, gradient buckets beside the gradients",
+    layout=torch_ddp_layout, unpadded=lambda psi, n, e: (4 * psi, 4 * psi, 8 * psi, 4 * psi)))
+register(StrategySpec(
+    name="zero0", backend=DEEPSPEED, options={"stage": 0}, needs_deepspeed=True, paper_stage=0,
+    shards_gradients=False, description="DeepSpeed without ZeRO (the case study's baseline)",
+    layout=deepspeed_stage0_layout,
+    unpadded=lambda psi, n, e: (e * psi, e * psi, ((4 if e == 2 else 0) + 8) * psi, 0)))
+for stage in (1, 2):
+    register(StrategySpec(
+        name=f"zero{stage}", backend=DEEPSPEED, options={"stage": stage}, needs_deepspeed=True, paper_stage=stage,
+        shards_gradients=True, flat_partition=True, reduce_bucket="every backward",
+        description=f"DeepSpeed ZeRO-{stage}: " + ("optimizer states" if stage == 1 else "optimizer states and "
+                                                   "gradients") + " partitioned",
+        layout=deepspeed_flat_partition_layout,
+        unpadded=lambda psi, n, e: (e * psi, e * psi / n, 12 * psi / n, 0)))
+register(StrategySpec(
+    name="zero3", backend=DEEPSPEED, options={"stage": 3}, needs_deepspeed=True, paper_stage=3,
+    shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True,
+    description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
+    unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0)))
+for name, reshard in (("fsdp2-grad", False), ("fsdp2", True)):
+    register(StrategySpec(
+        name=name, backend=FSDP2, options={"reshard_after_forward": reshard}, needs_deepspeed=False, paper_stage=3,
+        shards_gradients=True,
+        description="PyTorch FSDP2, " + ("full sharding" if reshard else "parameters kept gathered from forward to "
+                                         "backward (reshard_after_forward=False, like ZeRO-2)"),
+        layout=fsdp2_layout, unpadded=lambda psi, n, e: (4 * psi / n, 4 * psi / n, 8 * psi / n, 0)))
+
+BASELINE = "zero0"  # verify's default baseline
+VERIFY_DEFAULT = ("zero0", "zero2")  # the case study's comparison
+BENCH_REFERENCE = "ddp"  # what bench compares every strategy with
+BENCH_DEFAULT = ("ddp", "zero2")
+
+for _plugin in filter(None, (m.strip() for m in os.environ.get("ZEROLENS_PLUGINS", "").split(","))):
+    importlib.import_module(_plugin)
