@@ -5,8 +5,7 @@ import json
 import pytest
 
 from conftest import zerolens
-from zerolens.strategies import TrainSettings
-from zerolens.strategies.deepspeed import DeepSpeedZero
+from zerolens.strategies import TrainSettings, make_strategy
 
 AUTO_CONFIG = {
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -19,7 +18,7 @@ AUTO_CONFIG = {
 def test_autos_are_filled_and_the_strategy_decides_the_stage():
     settings = TrainSettings(precision="bf16", micro_batch=4, world_size=3, lr=3e-4, reduce_bucket_size=1000,
                              user_ds_config=AUTO_CONFIG)
-    zero2 = DeepSpeedZero(settings, stage=2)
+    zero2 = make_strategy("zero2", settings)
     config = zero2.ds_config()
     assert config["train_batch_size"] == 12 and config["train_micro_batch_size_per_gpu"] == 4
     assert config["gradient_accumulation_steps"] == 1 and config["bf16"] == {"enabled": True}
