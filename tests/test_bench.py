@@ -88,13 +88,11 @@ def test_datasheet_peaks():
     assert datasheet_peak("NVIDIA H100 NVL", "bf16") is None  # not the SXM part: no guess
 
 
-def test_every_bench_flag_reaches_the_workers():
-    """The workers re-parse the command line cli.job_flags builds: the configuration must be the
-    one the CLI resolved, whatever the flags."""
-    import argparse
-    from zerolens.cli import ArgumentParser, bench_parser, job_flags
-    from zerolens.config import config_from_args
-    from zerolens.worker import worker_parser
+def test_the_workers_get_the_config_the_cli_resolved(tmp_path):
+    """The CLI resolves the flags once and writes config.json; the workers load that file: the
+    configuration is the one the CLI resolved, whatever the flags, bench's defaults included."""
+    from zerolens.cli import ArgumentParser, bench_parser
+    from zerolens.config import config_from_args, load_config, save_config
     parser = ArgumentParser(prog="zerolens")
     bench_parser(parser.add_subparsers(dest="command"))
     argv = ["bench", "--preset", "gpt-tiny", "--strategies", "ddp,fsdp2", "--nproc", "3", "--device", "cpu",
@@ -102,12 +100,10 @@ def test_every_bench_flag_reaches_the_workers():
             "--activation-checkpointing", "--lr", "0.01", "--seed", "5", "--micro-batch", "2",
             "--reduce-bucket-size", "1e6", "--gradient-clipping", "0.5", "--fused-adam",
             "--ds-override", '{"zero_optimization":{"overlap_comm":true}}', "--warmup", "2", "--steps", "7",
-            "--peak-tflops", "10", "--memory-limit-gib", "4", "--out", "/tmp/x"]
-    args = parser.parse_args(argv)
-    cli_config = config_from_args(args)
-    worker_args = worker_parser().parse_args(job_flags(args) + ["--job", "bench"])
-    assert config_from_args(worker_args, world_size=3) == cli_config
-    defaults = parser.parse_args(["bench", "--device", "cpu"])
-    worker_defaults = worker_parser().parse_args(job_flags(defaults) + ["--job", "bench"])
-    assert config_from_args(worker_defaults, world_size=2) == config_from_args(defaults)
-    assert config_from_args(defaults).warmup_steps == 3 and config_from_args(defaults).steps == 10
+            "--peak-tflops", "10", "--memory-limit-gib", "4", "--timeout", "60", "--out", str(tmp_path / "x")]
+    for flags in (argv, ["bench", "--device", "cpu"]):
+        config = config_from_args(parser.parse_args(flags))
+        save_config(config, tmp_path / "config.json", command="zerolens " + " ".join(flags))
+        assert load_config(str(tmp_path / "config.json")) == config
+    defaults = config_from_args(parser.parse_args(["bench", "--device", "cpu"]))
+    assert defaults.warmup_steps == 3 and defaults.steps == 10 and defaults.job == "bench"

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from distributed import spawn
-from zerolens.config import VerifyConfig
+from zerolens.config import RunConfig
 from zerolens.model import PRESETS
 from zerolens.summary import leftover_notes, without_earlier_memory
 
 
 def config(out):
-    return VerifyConfig(strategies=("ddp", "fsdp2", "zero2"), baseline="ddp", nproc=2, steps=4, device="cpu",
+    return RunConfig(strategies=("ddp", "fsdp2", "zero2"), baseline="ddp", nproc=2, steps=4, device="cpu",
                         precision="bf16", model=PRESETS["gpt-tiny"], preset="gpt-tiny", out=str(out),
                         reduce_bucket_size=20_000)
 
@@ -59,7 +59,7 @@ def test_under_another_launcher_the_peaks_after_a_leftover_are_kept_aside():
     assert moved["peaks_including_earlier_strategies"]["peak_bytes"] == 900
     strategies = {"ddp": {"left_allocated_after_teardown_bytes": 2**20, "ranks": [{"earlier_strategies_left_bytes": 0}]},
                   "zero2": {"left_allocated_after_teardown_bytes": 0, "ranks": [{"earlier_strategies_left_bytes": 2**20}]}}
-    cfg = VerifyConfig(strategies=("ddp", "zero2"), baseline="ddp", steps=4)
+    cfg = RunConfig(strategies=("ddp", "zero2"), baseline="ddp", steps=4)
     gathered = [[{}, {}]]
     assert "their peaks are not reported as theirs" in leftover_notes(cfg, strategies, gathered)[0]
     strategies["zero2"]["ranks"][0]["earlier_strategies_left_bytes"] = 0

@@ -17,7 +17,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from .config import VerifyConfig
+from .config import RunConfig
 from .data import make_batch, rank_slice
 from .model import build_model, training_flops_per_token
 from .report import GiB, markdown_table
@@ -44,7 +44,7 @@ def datasheet_peak(device_name: str, precision: str) -> float | None:
     return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
-def bench_batches(config: VerifyConfig) -> list:
+def bench_batches(config: RunConfig) -> list:
     """This rank's micro-batch of every warm-up and timed step, made before any timing."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     return [rank_slice(*make_batch(config.model, step, seed=config.seed, batch_size=config.micro_batch * world_size,
@@ -52,14 +52,14 @@ def bench_batches(config: VerifyConfig) -> list:
             for step in range(config.warmup_steps + config.steps)]
 
 
-def bench_strategy(strategy: Strategy, config: VerifyConfig, batches: list, device: torch.device, phase: Phase) -> dict:
+def bench_strategy(strategy: Strategy, config: RunConfig, batches: list, device: torch.device, phase: Phase) -> dict:
     """This rank's step times, losses and peak for one strategy."""
     description = f"{strategy.name} (warm-up)" if config.warmup_steps else f"{strategy.name} (timed)"
     with progress_bar(len(batches), description) if dist.get_rank() == 0 else contextlib.nullcontext() as bar:
         return timed_steps(strategy, config, batches, device, phase, bar)
 
 
-def timed_steps(strategy: Strategy, config: VerifyConfig, batches: list, device: torch.device, phase: Phase,
+def timed_steps(strategy: Strategy, config: RunConfig, batches: list, device: torch.device, phase: Phase,
                 bar) -> dict:
     cuda = device.type == "cuda"
     phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
@@ -112,7 +112,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_summary(config: VerifyConfig, gathered: list[list[dict]], params: int, device_name: str,
+def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, device_name: str,
                   versions: dict) -> dict:
     """gathered[rank][i]: rank's result for config.strategies[i]."""
     global_batch = config.micro_batch * config.nproc

@@ -7,21 +7,15 @@ import math
 import os
 import shlex
 import sys
-from pathlib import Path
+from dataclasses import replace
 
-from . import __version__, report
-from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, config_from_args,
-                     parse_strategies)
+from . import __version__
+from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, check_config,
+                     config_from_args, micro_batch_of, parse_strategies)
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
-from .faults import fault_from_environment
 from .model import PRESETS
 from .strategies import registry
-from .launch import WorkersFailed, launch_local
-from .runfolder import default_run_folder, new_run_folder
-from .worker import OUT_OF_MEMORY, results_path
-
-
-USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
+from .jobs import run_folder, run_in_new_folder
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -38,60 +32,9 @@ def verify_parser(subparsers) -> None:
 
 
 def verify_command(args: argparse.Namespace, argv: list[str]) -> int:
-    summary = run_verify(args, argv[1:], command=shlex.join(["zerolens", *argv]))
-    return 0 if summary is not None and summary["verdict"] == "PASS" else 1
-
-
-def run_verify(args: argparse.Namespace, verify_argv: list[str], command: str) -> dict | None:
-    """One verify run on local workers; its summary, or None when a rank failed (said on stderr)."""
-    try:
-        return run_job("verify", args, verify_argv, command)
-    except WorkersFailed as e:
-        report_failure(args, e, command)
-        return None
-
-
-def report_failure(args: argparse.Namespace, error: WorkersFailed, command: str) -> None:
-    """A run that did not finish: one line on stderr, and summary.json marked FAIL with why, beside
-    the ranks' logs."""
-    print(f"zerolens: FAILED: {error}", file=sys.stderr)
-    out = Path(args.out) if args.out else None
-    if out is not None and out.is_dir():
-        report.write_json(out / "summary.json", {"verdict": "FAIL", "failure": str(error), "command": command})
-        print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
-              file=sys.stderr)
-
-
-def run_job(job: str, args: argparse.Namespace, job_argv: list[str], command: str) -> dict:
-    """`job` (verify or bench) on local workers; its summary.json or bench.json. Raises WorkersFailed
-    when a rank failed."""
     config = config_from_args(args)
-    try:
-        fault_from_environment()
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if getattr(args, "timeout", None) is not None and not args.timeout > 0:
-        raise UserError(f"--timeout must be positive (seconds), got {args.timeout}")
-    out = new_run_folder(Path(config.out) if config.out else default_run_folder(), getattr(args, "overwrite", False))
-    args.out = str(out)  # the folder the workers write to, for whoever reports a failure
-    # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
-    # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
-    os.environ.setdefault("DS_ACCELERATOR", config.device)
-    if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
-    worker_args = [*job_argv, "--job", job, "--device", config.device, "--nproc", str(config.nproc),
-                   "--out", str(out), "--fail-exit-code", "0", "--command", command, "--resume"]
-    # A launch ends early after a strategy that left memory allocated (worker.run_strategies); the
-    # strategies after it get fresh processes, so that it is in none of their peaks.
-    remaining = len(config.strategies)
-    while remaining:
-        launch_local(config.nproc, worker_args, verbose=config.verbose, logs=out / "logs",
-                     timeout=getattr(args, "timeout", None), backend="nccl" if config.device == "cuda" else "gloo")
-        left = sum(not results_path(out, name).exists() for name in config.strategies)
-        if left >= remaining:  # a launch that ended cleanly must have finished at least one
-            raise WorkersFailed(f"the workers ended without results for {left} strategies")
-        remaining = left
-    return json.loads((out / ("bench.json" if job == "bench" else "summary.json")).read_text())
+    summary = run_in_new_folder(config, command=shlex.join(["zerolens", *argv]), overwrite=args.overwrite)
+    return 0 if summary is not None and summary["verdict"] == "PASS" else 1
 
 
 def bench_parser(subparsers) -> None:
@@ -109,15 +52,8 @@ def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"bench compares every strategy with {registry.BENCH_REFERENCE}; --baseline is for verify")
     if args.steps < 1:
         raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
-    # The workers parse verify's defaults (100 steps, its strategies, case-study): bench's own
-    # defaults must reach them as explicit flags.
-    command = shlex.join(["zerolens", *argv])
-    try:
-        run_job("bench", args, job_flags(args), command=command)
-    except WorkersFailed as e:
-        report_failure(args, e, command)
-        return 1
-    return 0
+    config = config_from_args(args)
+    return 0 if run_in_new_folder(config, shlex.join(["zerolens", *argv]), args.overwrite) is not None else 1
 
 
 def maxsize_parser(subparsers) -> None:
@@ -130,44 +66,13 @@ def maxsize_parser(subparsers) -> None:
 
 
 def maxsize_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from .maxsize import largest_fitting_depth, maxsize_summary, render_maxsize
+    from .maxsize import run_maxsize
+    if args.model:
+        raise UserError("maxsize searches the depth of a preset; --model is for verify, bench and sweep")
     config = config_from_args(args)
     if config.device != "cuda":
         raise UserError("maxsize needs GPUs: on the CPU nothing runs out of memory (use --device cuda)")
-    out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
-    results, limit = {}, {}
-    for name in config.strategies:
-        def trial(depth: int, name=name) -> int | None:
-            folder = out / "trials" / f"{name}-depth{depth}"
-            trial_args = argparse.Namespace(**{**vars(args), "strategies": name, "depth": depth, "warmup": 1,
-                                               "steps": 1, "out": str(folder)})
-            flags = job_flags(trial_args) + ["--quiet"]
-            print(f"zerolens maxsize: {name}, depth {depth} ...", end=" ", flush=True)
-            try:
-                bench = run_job("bench", trial_args, flags, command=shlex.join(["zerolens", "bench", *flags]))
-            except WorkersFailed as e:
-                if OUT_OF_MEMORY not in str(e):
-                    raise
-                print("out of memory", flush=True)
-                return None
-            limit["bytes"] = bench["memory_limit_bytes"]
-            peak = bench["strategies"][name]["peak_bytes"]
-            print(f"fits, peak {peak / 2**30:.2f} GiB", flush=True)
-            return peak
-        try:
-            results[name] = largest_fitting_depth(trial, lambda: limit["bytes"])
-        except WorkersFailed as e:
-            print(f"zerolens: FAILED: {e}", file=sys.stderr)
-            # What the strategies before it found is kept.
-            summary = maxsize_summary(config, results, command=shlex.join(["zerolens", *argv]))
-            report.write_json(out / "maxsize.json", summary | {"failure": f"{name}: {e}"})
-            return 1
-    summary = maxsize_summary(config, results, command=shlex.join(["zerolens", *argv]))
-    report.write_json(out / "maxsize.json", summary)
-    text = render_maxsize(summary)
-    report.write_atomic(out / "maxsize.md", text)
-    print("\n" + text)
-    return 0
+    return run_maxsize(config, run_folder(config, args.overwrite), command=shlex.join(["zerolens", *argv]))
 
 
 def sweep_parser(subparsers) -> None:
@@ -194,8 +99,7 @@ def int_list(text: str, flag: str) -> list[int]:
 
 
 def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
-    from .model import parameter_shapes
-    from .sweep import across_n, across_n_checks, point_summary, render_sweep
+    from .sweep import run_sweep
     if args.nproc is not None:
         raise UserError("sweep takes its world sizes from --nproc-list, not --nproc")
     ns = int_list(args.nproc_list, "--nproc-list")
@@ -207,68 +111,25 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown or not presets:
         raise UserError(f"--presets: unknown model {unknown[0] if unknown else '(none)'}; choose from {', '.join(PRESETS)}")
-    grid = [(preset, n, bucket) for preset in presets for n in ns for bucket in buckets]
-    # Every point's configuration is checked before the first one runs, and before anything is written.
-    configs = {(preset, n, bucket): config_from_args(argparse.Namespace(
-        **{**vars(args), "preset": preset, "nproc": n, "reduce_bucket_size": bucket, "out": None}))
-        for preset, n, bucket in grid}
-    out = new_run_folder(Path(args.out) if args.out else default_run_folder(), args.overwrite)
-    points, failed = [], []
-    for preset, n, bucket in grid:
-        folder = f"n{n}-bucket{bucket}" + (f"-{preset}" if len(presets) > 1 else "")
-        point_args = argparse.Namespace(**{**vars(args), "preset": preset, "nproc": n, "reduce_bucket_size": bucket,
-                                           "out": str(out / folder)})
-        verify_argv = job_flags(point_args)
-        print(f"zerolens sweep: {args.model or preset}, N={n}, reduce_bucket_size {bucket:.0e}", flush=True)
-        summary = run_verify(point_args, verify_argv, command=shlex.join(["zerolens", "verify", *verify_argv]))
-        if summary is None:
-            failed.append(f"{args.model or preset} N={n} bucket {bucket:.0e}")
-            continue
-        config = configs[(preset, n, bucket)]
-        points.append(point_summary(summary, bucket, point_args.out, args.model or preset,
-                                    param_shapes=[tuple(s) for s in parameter_shapes(config.model)],
-                                    global_batch=config.micro_batch * n))
-    if not points:
-        print("zerolens: every sweep point failed", file=sys.stderr)
-        return 1
-    rows, notes = across_n(points)
-    checks = across_n_checks(rows)
-    passed = not failed and all(p["verdict"] == "PASS" for p in points) and all(c["passed"] for c in checks)
-    verdict = "PASS" if passed else "FAIL"
-    text = render_sweep(points, command=shlex.join(["zerolens", *argv]), failed=failed, rows=rows, notes=notes,
-                        verdict=verdict)
-    report.write_json(out / "sweep.json", {"verdict": verdict, "points": points, "failed": failed,
-                                           "across_n_checks": checks, "notes": notes})
-    report.write_atomic(out / "sweep.md", text)
-    print("\n" + text)
-    try:
-        from .plots import sweep_plots
-        print("Plots: " + ", ".join(str(p) for p in sweep_plots(points, out)))
-    except ImportError:
-        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
-    return 0 if passed else 1
+    # One config per model (a preset brings its own defaults), its points derived from it; every point
+    # is checked before the first one runs, and before anything is written.
+    points = []
+    for preset in presets:
+        base = config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": ns[0]}), checked=True)
+        for n in ns:
+            for bucket in buckets:
+                points.append(replace(base, nproc=n, micro_batch=micro_batch_of(args, n), reduce_bucket_size=bucket))
+    for point in points:
+        check_config(point, gpus_visible=torch_gpus())
+    out = run_folder(points[0], args.overwrite)
+    points = [replace(p, out=str(out / (f"n{p.nproc}-bucket{p.reduce_bucket_size}"
+                                        + (f"-{p.preset}" if len(presets) > 1 else "")))) for p in points]
+    return run_sweep(points, out, command=shlex.join(["zerolens", *argv]))
 
 
-def job_flags(args: argparse.Namespace) -> list[str]:
-    """The worker's command line for a verify (one sweep point) or bench run: every setting explicit."""
-    flags = ["--strategies", args.strategies, "--preset", args.preset, "--steps", str(args.steps),
-             *(["--fused-adam"] if args.fused_adam else []),
-             *(["--activation-checkpointing"] if args.activation_checkpointing else []),
-             *(["--compile"] if args.compile else []),
-             "--seed", str(args.seed), "--micro-batch", str(args.micro_batch),
-             "--reduce-bucket-size", str(args.reduce_bucket_size), "--gradient-clipping", str(args.gradient_clipping)]
-    if getattr(args, "job", "verify") == "bench":
-        flags += ["--warmup", str(args.warmup if args.warmup is not None else 3)]
-    for flag, value in (("--nproc", args.nproc), ("--out", args.out), ("--peak-tflops", getattr(args, "peak_tflops", None)),
-                        ("--memory-limit-gib", getattr(args, "memory_limit_gib", None)),
-                        ("--baseline", args.baseline), ("--device", args.device), ("--precision", args.precision),
-                        ("--lr", args.lr), ("--global-batch", args.global_batch), ("--width", args.width),
-                        ("--depth", args.depth), ("--heads", args.heads), ("--seq-len", args.seq_len),
-                        ("--ds-override", args.ds_override), ("--ds-config", args.ds_config),
-                        ("--model", args.model), ("--batch", args.batch)):
-        if value is not None:
-            flags += [flag, str(value)]
-    return flags + (["--verbose"] if args.verbose else [])
+def torch_gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
 
 
 def estimate_parser(subparsers) -> None:

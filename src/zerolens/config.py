@@ -1,7 +1,10 @@
-"""The verify run's settings: one frozen dataclass, validated where it is built.
+"""A run's settings: one frozen dataclass, RunConfig, resolved from the flags and validated once.
 
-User mistakes raise UserError (the CLI prints its one line and exits 2); internal invariants
-are asserts.
+The CLI resolves the flags (`config_from_args`), checks the result (`check_config`: the slow checks,
+made once, before any worker starts) and writes it as config.json; its workers load that file
+(`load_config`). Under torchrun or deepspeed, a worker resolves its own flags the same way. Sweep
+and maxsize derive their points with dataclasses.replace. User mistakes raise UserError (the CLI
+prints its one line and exits 2); internal invariants are asserts.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -38,7 +42,7 @@ PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-ti
 
 
 @dataclass(frozen=True, kw_only=True)
-class VerifyConfig:
+class RunConfig:
     strategies: tuple[str, ...] = registry.VERIFY_DEFAULT
     baseline: str = registry.BASELINE
     nproc: int = 2
@@ -66,6 +70,7 @@ class VerifyConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     out: str | None = None
     verbose: bool = False
+    timeout: float | None = 900.0  # the hang watchdog's, in seconds (zerolens's own launcher only)
 
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in registry.names()]
@@ -103,9 +108,19 @@ class VerifyConfig:
         if self.device == "cpu" and self.precision == "fp16":
             raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): "
                             "use --precision bf16 or fp32, or --device cuda")
+        if self.timeout is not None and not self.timeout > 0:
+            raise UserError(f"--timeout must be positive (seconds), got {self.timeout}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunConfig":
+        """The config `to_json` wrote (config.json); keys of other files' (the command, the
+        backends' settings) are left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        return cls(**{**values, "strategies": tuple(values["strategies"]), "model": ModelConfig(**values["model"])})
 
     def train_settings(self) -> TrainSettings:
         """What every strategy trains with."""
@@ -115,7 +130,21 @@ class VerifyConfig:
                              user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose)
 
 
-def check_deepspeed_configs(config: VerifyConfig) -> None:
+def save_config(config: RunConfig, path: Path, command: str) -> None:
+    """config.json: the command, every setting, and each backend's own settings (DeepSpeed configs)."""
+    from .report import write_json
+    settings = config.train_settings()
+    write_json(path, {"command": command, **config.to_json(),
+                      "strategy_settings": {n: registry.make_strategy(n, settings).describe() for n in config.strategies}})
+
+
+def load_config(path: str) -> RunConfig:
+    """A worker's config, from the config.json that zerolens wrote."""
+    with open(path) as f:
+        return RunConfig.from_json(json.load(f))
+
+
+def check_deepspeed_configs(config: RunConfig) -> None:
     """Each zero strategy's DeepSpeed config, as it will be passed to deepspeed.initialize, through
     DeepSpeed's own config model: a bad value (a bucket of 0 elements, a misspelt key in --ds-config
     or --ds-override) ends here in one line rather than in the workers after other strategies trained."""
@@ -133,7 +162,7 @@ def check_deepspeed_configs(config: VerifyConfig) -> None:
         logger.setLevel(level)
 
 
-def validate_deepspeed_configs(config: VerifyConfig, DeepSpeedConfig) -> None:
+def validate_deepspeed_configs(config: RunConfig, DeepSpeedConfig) -> None:
     settings = config.train_settings()
     for name in config.strategies:
         if not registry.spec(name).needs_deepspeed:
@@ -294,26 +323,15 @@ def ds_override_from_json(text: str | None) -> dict:
     return value
 
 
-def user_model_from_args(args: argparse.Namespace, global_batch: int, check: bool = True) -> ModelConfig:
-    """--model module:factory with --batch module:function, checked here so that a mistake ends in
-    one line before any worker starts: the model is built and run on the meta device (no memory, no
-    arithmetic) on the run's first global batch, and its output goes through the loss."""
+def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """--model module:factory with --batch module:function (check_config runs them)."""
     if not args.batch:
         raise UserError("--model needs --batch module:function: how zerolens makes inputs and targets (README)")
     if any(v is not None for v in (args.width, args.depth, args.heads, args.seq_len)) or args.activation_checkpointing \
             or args.compile:
         raise UserError("--width/--depth/--heads/--seq-len/--activation-checkpointing/--compile change a preset, "
                         "not a --model")
-    model = ModelConfig(kind="user", factory=args.model, batch=args.batch)
-    if not check:
-        return model
-    try:
-        check_model_contract(model, global_batch, args.seed)
-    except UserError:
-        raise
-    except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
-        raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
-    return model
+    return ModelConfig(kind="user", factory=args.model, batch=args.batch)
 
 
 def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> None:
@@ -347,11 +365,11 @@ def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> No
                         f"batch of {global_batch} rows") from None
 
 
-def model_from_args(args: argparse.Namespace, global_batch: int, check: bool = True) -> ModelConfig:
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
-    or the user's model, checked on a global batch of `global_batch` rows unless `check` is False."""
+    or the user's model."""
     if getattr(args, "model", None):
-        return user_model_from_args(args, global_batch, check)
+        return user_model_from_args(args)
     model = PRESETS[args.preset]
     changes = {}
     for flag, name, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
@@ -373,10 +391,9 @@ def model_from_args(args: argparse.Namespace, global_batch: int, check: bool = T
 
 
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
-                     gpus_visible: int | None = None, checked: bool = False) -> VerifyConfig:
-    """Resolve defaults against the machine; `world_size` is given when a launcher started us.
-    `checked`: `zerolens` has made the slow checks already (a user's model run on the meta device,
-    the DeepSpeed configs through DeepSpeed's config model), so its workers skip them."""
+                     gpus_visible: int | None = None, checked: bool = False) -> RunConfig:
+    """The flags resolved against the machine into a RunConfig, checked (check_config) unless
+    `checked`. `world_size` is given when a launcher started us."""
     gpus = torch.cuda.device_count() if gpus_visible is None else gpus_visible
     device = args.device or ("cuda" if gpus >= 2 else "cpu")
     if world_size is not None:
@@ -387,18 +404,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         nproc = args.nproc if args.nproc is not None else (gpus if device == "cuda" and gpus >= 2 else 2)
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
-    if device == "cuda" and gpus < nproc and world_size is None:
-        fix = f"use --nproc {gpus} or --device cpu" if gpus else "use --device cpu"
-        raise UserError(f"--device cuda with {nproc} processes needs {nproc} GPUs, but {gpus} are visible; {fix}")
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
-    check_supported("torch", torch.__version__)
-    uses_deepspeed = bool(registry.needing_deepspeed(strategies))
-    if uses_deepspeed:
-        if importlib.util.find_spec("deepspeed") is None:
-            raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
-                            f"{','.join(registry.without_deepspeed())})")
-        check_supported("deepspeed")
     precision, note = args.precision, ""
     if precision is None:
         # A user's model: bf16 on GPU, which needs no loss scaling.
@@ -409,36 +416,63 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     job = getattr(args, "job", "verify")
     # verify has no warm-up; bench's default is 3 untimed steps.
     warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
-    micro_batch = args.micro_batch
-    if args.global_batch is not None:
-        if args.global_batch % nproc:
-            raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
-        micro_batch = args.global_batch // nproc
-    if micro_batch < 1:
-        raise UserError(f"--micro-batch must be at least 1, got {micro_batch}")
+    micro_batch = micro_batch_of(args, nproc)
     if not math.isfinite(args.reduce_bucket_size):
         raise UserError(f"--reduce-bucket-size must be a number of elements, got {args.reduce_bucket_size}")
-    config = VerifyConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
-                        precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
-                        micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
-                        gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
-                        ds_override=ds_override_from_json(args.ds_override),
-                        ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
-                        job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
-                        memory_limit_gib=getattr(args, "memory_limit_gib", None),
-                        preset=args.model or args.preset,
-                        model=model_from_args(args, micro_batch * nproc, check=not checked),
-                        out=args.out, verbose=args.verbose,
-                        lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
-    if uses_deepspeed and not checked:
+    config = RunConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
+                       precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
+                       micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
+                       gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
+                       ds_override=ds_override_from_json(args.ds_override),
+                       ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
+                       job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
+                       memory_limit_gib=getattr(args, "memory_limit_gib", None),
+                       preset=args.model or args.preset, model=model_from_args(args), out=args.out,
+                       verbose=args.verbose, timeout=getattr(args, "timeout", None),
+                       lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
+    if not checked:
+        check_config(config, gpus_visible=gpus if world_size is None else None)
+    return config
+
+
+def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
+    """Samples per rank per step: --global-batch over the ranks, else --micro-batch."""
+    if args.global_batch is None:
+        return args.micro_batch
+    if args.global_batch % nproc:
+        raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
+    return args.global_batch // nproc
+
+
+def check_config(config: RunConfig, gpus_visible: int | None = None) -> None:
+    """The checks that cost something, made once, before any worker starts: the GPUs are there
+    (`gpus_visible`: none when a launcher placed the ranks), the releases zerolens knows, each
+    DeepSpeed config through DeepSpeed's own config model, a user's model and batch run on the meta
+    device, and a layout every strategy can predict."""
+    if config.device == "cuda" and gpus_visible is not None and gpus_visible < config.nproc:
+        fix = f"use --nproc {gpus_visible} or --device cpu" if gpus_visible else "use --device cpu"
+        raise UserError(f"--device cuda with {config.nproc} processes needs {config.nproc} GPUs, but "
+                        f"{gpus_visible} are visible; {fix}")
+    check_supported("torch", torch.__version__)
+    if registry.needing_deepspeed(config.strategies):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
+                            f"{','.join(registry.without_deepspeed())})")
+        check_supported("deepspeed")
         check_deepspeed_configs(config)
+    if config.model.kind == "user":
+        try:
+            check_model_contract(config.model, config.micro_batch * config.nproc, config.seed)
+        except UserError:
+            raise
+        except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
+            raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
     # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
     # refused here, not after the others trained.
     shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
-    for name in strategies:
+    for name in config.strategies:
         try:
-            registry.predict_retained(name, [math.prod(s) for s in shapes], nproc, 0, precision,
+            registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
                                       reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes)
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
-    return config

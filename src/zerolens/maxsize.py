@@ -10,11 +10,15 @@ pins down. The answer is always a depth that was seen to fit, with the next dept
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .model import parameter_shapes
+from . import report
 from .report import GiB, markdown_table
+from .runfolder import new_run_folder
 from .strategies import registry
 
 FIRST_GUESS_CAP = 128
@@ -116,3 +120,43 @@ the next depth ran out of memory.
 
 {table}
 """
+
+
+def run_maxsize(config, out: Path, command: str) -> int:
+    """The search for every strategy of `config` (checked, on GPUs), its trials in out/trials/;
+    maxsize.json, maxsize.md, and the exit code."""
+    from .jobs import run_job
+    from .launch import WorkersFailed
+    from .worker import OUT_OF_MEMORY
+    results, limit = {}, {}
+    for name in config.strategies:
+        def trial(depth: int, name=name) -> int | None:
+            # One warm-up step (the optimizer's states appear in the first) and one timed step.
+            point = dataclasses.replace(config, strategies=(name,), baseline=name, warmup_steps=1, steps=1,
+                                        model=dataclasses.replace(config.model, num_layers=depth),
+                                        out=str(new_run_folder(out / "trials" / f"{name}-depth{depth}")))
+            print(f"zerolens maxsize: {name}, depth {depth} ...", end=" ", flush=True)
+            try:
+                bench = run_job(point, command=f"{command} (trial: {name}, depth {depth})", quiet=True)
+            except WorkersFailed as e:
+                if OUT_OF_MEMORY not in str(e):
+                    raise
+                print("out of memory", flush=True)
+                return None
+            limit["bytes"] = bench["memory_limit_bytes"]
+            peak = bench["strategies"][name]["peak_bytes"]
+            print(f"fits, peak {peak / 2**30:.2f} GiB", flush=True)
+            return peak
+        try:
+            results[name] = largest_fitting_depth(trial, lambda: limit["bytes"])
+        except WorkersFailed as e:
+            print(f"zerolens: FAILED: {e}", file=sys.stderr)
+            # What the strategies before it found is kept.
+            report.write_json(out / "maxsize.json", maxsize_summary(config, results, command) | {"failure": f"{name}: {e}"})
+            return 1
+    summary = maxsize_summary(config, results, command=command)
+    report.write_json(out / "maxsize.json", summary)
+    text = render_maxsize(summary)
+    report.write_atomic(out / "maxsize.md", text)
+    print("\n" + text)
+    return 0

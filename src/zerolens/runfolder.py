@@ -55,3 +55,8 @@ def new_run_folder(out: Path, overwrite: bool = False) -> Path:
     except OSError as e:
         raise UserError(f"cannot create run folder {out}: {e.strerror}") from None
     return out
+
+
+def results_path(out: Path, strategy: str) -> Path:
+    """One strategy's results in a run folder, gathered from every rank (rank r's at index r)."""
+    return out / "results" / f"{strategy}.json"

@@ -5,7 +5,7 @@ from statistics import median
 
 from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, loss_matches, peak_check, prediction_check,
                      zero_gradient_checks)
-from .config import VerifyConfig
+from .config import RunConfig
 from .report import MiB
 from .strategies import registry
 from .theory import ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
@@ -75,7 +75,7 @@ def without_earlier_memory(rank: dict, earlier_left: int) -> dict:
             "peaks_including_earlier_strategies": {k: rank[k] for k in PEAK_KEYS if k != "peak_anatomy"}}
 
 
-def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels: list[int],
+def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: list[int],
                   versions: dict, param_shapes: list[tuple[int, ...]] | None = None,
                   metrics: dict | None = None) -> dict:
     """gathered[rank] is that rank's list of per-strategy results, in config.strategies order.
@@ -145,7 +145,7 @@ def build_summary(config: VerifyConfig, gathered: list[list[dict]], param_numels
 
 
 
-def leftover_notes(config: VerifyConfig, strategies: dict, gathered: list[list[dict]]) -> list[str]:
+def leftover_notes(config: RunConfig, strategies: dict, gathered: list[list[dict]]) -> list[str]:
     """What a strategy left allocated after its teardown, and what zerolens did about it."""
     notes = []
     names = list(strategies)
@@ -183,7 +183,7 @@ def recommended_bucket(psi: int, world_size: int) -> int:
     return share // scale * scale
 
 
-def bucket_notes(config: VerifyConfig, strategies: dict, psi: int) -> list[str]:
+def bucket_notes(config: RunConfig, strategies: dict, psi: int) -> list[str]:
     """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
     every backward, ZeRO-3 keeps one: the registry says which), measured against the baseline's peak
     where the allocator can tell."""
@@ -210,7 +210,7 @@ def bucket_notes(config: VerifyConfig, strategies: dict, psi: int) -> list[str]:
     return notes
 
 
-def persistent_parameter_notes(config: VerifyConfig, strategies: dict) -> list[str]:
+def persistent_parameter_notes(config: RunConfig, strategies: dict) -> list[str]:
     """Why ZeRO-3 can hold more parameter bytes than the baseline on a small model."""
     if config.nproc == 1:
         return []

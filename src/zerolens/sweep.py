@@ -4,6 +4,7 @@ smallest N's."""
 from __future__ import annotations
 
 import math
+import sys
 from itertools import groupby
 
 from .checks import check, loss_matches
@@ -201,3 +202,40 @@ def across_n_table(rows: list[dict]) -> str:
     return markdown_table(["model", "bucket", "strategy", "N", "grads (largest rank)", "share of unsharded",
                            "1/N or whole", "predicted padding (MiB)", "grads as predicted",
                            "loss: largest gap vs smallest N (moving means)", "loss"], out)
+
+
+def run_sweep(points: list, out, command: str) -> int:
+    """One verify per point (checked RunConfigs, each with its own folder under `out`), then the
+    table, the checks across world sizes, sweep.json, sweep.md and the plots. The exit code."""
+    from . import report
+    from .jobs import run_in_new_folder
+    from .model import parameter_shapes
+    done, failed = [], []
+    for config in points:
+        label = f"{config.preset}, N={config.nproc}, reduce_bucket_size {config.reduce_bucket_size:.0e}"
+        print(f"zerolens sweep: {label}", flush=True)
+        summary = run_in_new_folder(config, command=f"{command} (point: {label})")
+        if summary is None:
+            failed.append(f"{config.preset} N={config.nproc} bucket {config.reduce_bucket_size:.0e}")
+            continue
+        done.append(point_summary(summary, config.reduce_bucket_size, config.out, config.preset,
+                                  param_shapes=[tuple(s) for s in parameter_shapes(config.model)],
+                                  global_batch=config.micro_batch * config.nproc))
+    if not done:
+        print("zerolens: every sweep point failed", file=sys.stderr)
+        return 1
+    rows, notes = across_n(done)
+    checks = across_n_checks(rows)
+    passed = not failed and all(p["verdict"] == "PASS" for p in done) and all(c["passed"] for c in checks)
+    verdict = "PASS" if passed else "FAIL"
+    text = render_sweep(done, command=command, failed=failed, rows=rows, notes=notes, verdict=verdict)
+    report.write_json(out / "sweep.json", {"verdict": verdict, "points": done, "failed": failed,
+                                           "across_n_checks": checks, "notes": notes})
+    report.write_atomic(out / "sweep.md", text)
+    print("\n" + text)
+    try:
+        from .plots import sweep_plots
+        print("Plots: " + ", ".join(str(p) for p in sweep_plots(done, out)))
+    except ImportError:
+        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    return 0 if passed else 1

@@ -29,11 +29,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import report
-from .config import UserError, VerifyConfig, add_bench_arguments, add_verify_arguments, config_from_args
+from .config import (RunConfig, UserError, add_bench_arguments, add_verify_arguments, config_from_args, load_config,
+                     save_config)
 from .faults import fault_from_environment, leaked_bytes
 from .measure import clear_cublas_workspaces
 from .model import parameter_shapes
-from .runfolder import default_run_folder, is_run_folder, new_run_folder
+from .runfolder import default_run_folder, is_run_folder, new_run_folder, results_path
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
 from .summary import build_summary
@@ -57,6 +58,8 @@ def worker_parser() -> argparse.ArgumentParser:
     # Started by `zerolens`: the run folder exists; strategies with results in it are done; the
     # launch ends after a strategy that left memory allocated, and zerolens starts the rest anew.
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    # The run's settings, resolved and checked by `zerolens` (config.json); then no other flag counts.
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -72,7 +75,7 @@ def quiet_libraries(verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|deepspeed)\..*")
 
 
-def init_distributed(config: VerifyConfig, local_rank: int) -> torch.device:
+def init_distributed(config: RunConfig, local_rank: int) -> torch.device:
     if config.device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -147,7 +150,7 @@ def git_commit() -> str | None:
     return None
 
 
-def environment(config: VerifyConfig, command: str, device: torch.device) -> dict:
+def environment(config: RunConfig, command: str, device: torch.device) -> dict:
     """env.json: what produced the run, for whoever reads its figures later."""
     return {"command": command, "argv": sys.argv, "python": sys.version.split()[0], **versions(),
             "backend": dist.get_backend(), "world_size": dist.get_world_size(), "device": str(device.type),
@@ -156,19 +159,6 @@ def environment(config: VerifyConfig, command: str, device: torch.device) -> dic
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "hostname": platform.node(),
             "zerolens_commit": git_commit(), "zerolens_fault": os.environ.get("ZEROLENS_FAULT")}
-
-
-def write_config(out: Path, command: str, config: VerifyConfig) -> None:
-    """config.json: the command, every setting, and each backend's own settings (DeepSpeed configs)."""
-    settings = config.train_settings()
-    report.write_json(out / "config.json", {"command": command, **config.to_json(),
-                                            "strategy_settings": {n: make_strategy(n, settings).describe()
-                                                                  for n in config.strategies}})
-
-
-def results_path(out: Path, strategy: str) -> Path:
-    """One strategy's results, gathered from every rank (rank r's at index r)."""
-    return out / "results" / f"{strategy}.json"
 
 
 def allocated_now(device: torch.device) -> int:
@@ -189,7 +179,7 @@ def memory_left_behind(device: torch.device, allocated_before: int) -> int:
     return max(0, int(left.item()))
 
 
-def run_strategy(job: str, name: str, config: VerifyConfig, device: torch.device, phase: Phase,
+def run_strategy(job: str, name: str, config: RunConfig, device: torch.device, phase: Phase,
                  batches: list | None, earlier_left: int) -> dict:
     """This rank's results for one strategy: trained and measured (verify) or timed (bench)."""
     strategy = make_strategy(name, config.train_settings())
@@ -211,7 +201,7 @@ def append_metrics(out: Path, rank: int, records: list[dict]) -> None:
     report.write_atomic(path, before + "".join(json.dumps(r) + "\n" for r in records))
 
 
-def run_strategies(job: str, config: VerifyConfig, device: torch.device, out: Path, phase: Phase,
+def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path, phase: Phase,
                    stop_on_leftover: bool) -> bool:
     """Runs, one after another, every strategy that has no results in `out` yet; rank 0 writes each
     one's results as soon as it is done. A strategy that leaves memory allocated after its teardown
@@ -266,7 +256,7 @@ def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int) -> list
     return [[files[name]["ranks"][r] for name in strategies] for r in range(nproc)]
 
 
-def finish_bench(config: VerifyConfig, device: torch.device, out: Path, command: str, quiet: bool) -> None:
+def finish_bench(config: RunConfig, device: torch.device, out: Path, command: str, quiet: bool) -> None:
     """Rank 0, once every strategy has results: bench.json, bench.md and bench.png."""
     from .bench import bench_summary, render_bench
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
@@ -290,7 +280,7 @@ def finish_bench(config: VerifyConfig, device: torch.device, out: Path, command:
         print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
 
 
-def finish_verify(config: VerifyConfig, out: Path, command: str, phase: Phase) -> dict:
+def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase) -> dict:
     """Rank 0, once every strategy has results: summary.json, report.md and the plots."""
     # Shapes from a copy on the meta device: building the model again on the CPU only to read its
     # sizes cost seconds (14 s for gpt-1b on 2 cores).
@@ -312,7 +302,7 @@ def finish_verify(config: VerifyConfig, out: Path, command: str, phase: Phase) -
     return summary
 
 
-def agree_on_run_folder(config: VerifyConfig, args: argparse.Namespace) -> Path:
+def agree_on_run_folder(config: RunConfig, args: argparse.Namespace) -> Path:
     """The run folder, decided by rank 0 and told to every rank. Started by `zerolens`, the folder
     exists (zerolens made it). Under another launcher rank 0 makes it here, with the same rules:
     a new or empty folder, or with --overwrite one zerolens created. A UserError reaches every rank."""
@@ -331,7 +321,7 @@ def agree_on_run_folder(config: VerifyConfig, args: argparse.Namespace) -> Path:
     return Path(decision[0])
 
 
-def print_header(config: VerifyConfig, out: Path) -> None:
+def print_header(config: RunConfig, out: Path) -> None:
     if config.precision_note:
         print(f"zerolens: {config.precision_note}", flush=True)
     if config.job == "bench":
@@ -353,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     try:
-        config = config_from_args(args, world_size=world_size, checked=args.resume)
+        config = load_config(args.config) if args.config else config_from_args(args, world_size=world_size)
+        if config.nproc != world_size:
+            raise UserError(f"the config is for {config.nproc} ranks, the launcher started {world_size}")
     except UserError as e:
         if rank == 0:
             print(f"zerolens: {e}", file=sys.stderr)
@@ -384,13 +376,14 @@ def main(argv: list[str] | None = None) -> int:
                 print_header(config, out)
             if not (out / "env.json").exists():
                 report.write_json(out / "env.json", environment(config, command, device))
-            write_config(out, command, config)
+            if not args.config:  # zerolens wrote it; under another launcher rank 0 does
+                save_config(config, out / "config.json", command)
         dist.barrier()  # the folder is ready before any rank writes into it
-        finished = run_strategies(args.job, config, device, out, phase, stop_on_leftover=args.resume)
+        finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume)
         summary = None
         if finished and rank == 0:
             phase.strategy, phase.step, phase.name = "-", -1, "writing the report"
-            if args.job == "bench":
+            if config.job == "bench":
                 finish_bench(config, device, out, command, quiet=args.quiet)
             else:
                 summary = finish_verify(config, out, command, phase)
