@@ -24,6 +24,7 @@ import torch
 
 from .compat import check_supported
 from .errors import UserError
+from .faults import fault_from_environment
 from .model import PRESETS, ModelConfig, parameter_shapes, user_model
 from .strategies import TrainSettings, registry
 
@@ -453,6 +454,10 @@ def check_config(config: RunConfig, gpus_visible: int | None = None) -> None:
         fix = f"use --nproc {gpus_visible} or --device cpu" if gpus_visible else "use --device cpu"
         raise UserError(f"--device cuda with {config.nproc} processes needs {config.nproc} GPUs, but "
                         f"{gpus_visible} are visible; {fix}")
+    try:
+        fault_from_environment()  # ZEROLENS_FAULT, for tests of failures
+    except ValueError as e:
+        raise UserError(str(e)) from None
     check_supported("torch", torch.__version__)
     if registry.needing_deepspeed(config.strategies):
         if importlib.util.find_spec("deepspeed") is None:

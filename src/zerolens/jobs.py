@@ -10,8 +10,6 @@ from pathlib import Path
 
 from . import report
 from .config import RunConfig, save_config
-from .errors import UserError
-from .faults import fault_from_environment
 from .launch import WorkersFailed, launch_local
 from .runfolder import default_run_folder, new_run_folder, results_path
 
@@ -47,10 +45,6 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     """A checked config's verify or bench on local workers, in its run folder (config.out, made
     already): config.json written there, then the workers started with it. Returns summary.json or
     bench.json; raises WorkersFailed when a rank failed."""
-    try:
-        fault_from_environment()
-    except ValueError as e:
-        raise UserError(str(e)) from None
     out = Path(config.out)
     save_config(config, out / "config.json", command)
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
