@@ -16,20 +16,19 @@ class Terminal(io.StringIO):
 
 def progress_of_verify_and_bench(rank, world_size):
     import deepspeed
-    from zerolens.bench import bench_batches, bench_strategy
     from zerolens.config import RunConfig
     from zerolens.model import PRESETS
-    from zerolens.strategies import make_strategy
-    from zerolens.train import Phase, train_strategy
+    from zerolens.worker import run_strategy
+    from zerolens.train import Phase
     deepspeed.init_distributed(dist_backend="gloo")
     sys.stderr = screen = Terminal()
-    config = RunConfig(strategies=("ddp",), baseline="ddp", nproc=1, steps=3, warmup_steps=2, device="cpu",
-                          precision="fp32", model=PRESETS["gpt-tiny"], job="bench")
-    train_strategy(make_strategy("ddp", config.train_settings()), model_config=config.model, steps=5, seed=0,
-                   signal=0.8, micro_batch=2, device=torch.device("cpu"), phase=Phase())
+    verify = RunConfig(strategies=("ddp",), baseline="ddp", nproc=1, steps=5, device="cpu", precision="fp32",
+                       model=PRESETS["gpt-tiny"])
+    run_strategy("ddp", verify, torch.device("cpu"), Phase(), earlier_left=0)
     trained = screen.getvalue()
-    bench_strategy(make_strategy("ddp", config.train_settings()), config, bench_batches(config),
-                   torch.device("cpu"), Phase())
+    bench = RunConfig(strategies=("ddp",), baseline="ddp", nproc=1, steps=3, warmup_steps=2, device="cpu",
+                      precision="fp32", model=PRESETS["gpt-tiny"], job="bench")
+    run_strategy("ddp", bench, torch.device("cpu"), Phase(), earlier_left=0)
     return trained, screen.getvalue()[len(trained):]
 
 

@@ -4,25 +4,23 @@ and data, in one run.
 Each strategy trains `warmup + steps` steps; the timed ones are synchronised (the GPU's queue is
 drained before and after each), a step's time is the slowest rank's, and the figure is the median
 over the timed steps. Peak memory is the CUDA allocator's peak over every step, warm-up included
-(the optimizer's states appear in the first). Rank-level work (`bench_rank`) is kept apart from
+(the optimizer's states appear in the first). The steps run in the one training loop (train.py)
+with a probe of bench's own (StepTimer), kept apart from
 the summary (`bench_summary`) and its presentation (`render_bench`).
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from statistics import median
 
 import torch
-import torch.distributed as dist
 
 from .config import RunConfig
-from .data import make_batch, rank_slice
-from .model import build_model, training_flops_per_token
+from .data import make_batch
+from .model import training_flops_per_token
 from .report import GiB, markdown_table
 from .strategies import Strategy, registry
-from .train import Phase, progress_bar
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
 # reports. PCIe and NVL parts are slower than SXM: an unknown name gets no MFU (use --peak-tflops).
@@ -44,67 +42,47 @@ def datasheet_peak(device_name: str, precision: str) -> float | None:
     return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
-def bench_batches(config: RunConfig) -> list:
-    """This rank's micro-batch of every warm-up and timed step, made before any timing."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    return [rank_slice(*make_batch(config.model, step, seed=config.seed, batch_size=config.micro_batch * world_size,
-                                   signal=config.signal), rank, world_size)
-            for step in range(config.warmup_steps + config.steps)]
+class StepTimer:
+    """bench's probe for the training loop (train.train): each step timed between two synchronisations
+    (the GPU's queue drained before and after), the allocator's peak after setup and over the steps.
+    It measures nothing else, so the steps run as they would without zerolens."""
 
+    def __init__(self, device: torch.device, warmup_steps: int):
+        self.device, self.warmup_steps = device, warmup_steps
+        self.cuda = device.type == "cuda"
 
-def bench_strategy(strategy: Strategy, config: RunConfig, batches: list, device: torch.device, phase: Phase) -> dict:
-    """This rank's step times, losses and peak for one strategy."""
-    description = f"{strategy.name} (warm-up)" if config.warmup_steps else f"{strategy.name} (timed)"
-    with progress_bar(len(batches), description) if dist.get_rank() == 0 else contextlib.nullcontext() as bar:
-        return timed_steps(strategy, config, batches, device, phase, bar)
+    def label(self, strategy: Strategy, steps_done: int) -> str:
+        return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
 
+    def before_setup(self, run) -> None:
+        # Under zerolens's launcher nothing of an earlier strategy is allocated here: one that leaves
+        # memory behind ends its launch (worker.run_strategies). Under another launcher it can be.
+        run.measured["allocated_at_start_bytes"] = torch.cuda.memory_allocated() if self.cuda else None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
 
-def timed_steps(strategy: Strategy, config: RunConfig, batches: list, device: torch.device, phase: Phase,
-                bar) -> dict:
-    cuda = device.type == "cuda"
-    phase.strategy, phase.step, phase.name = strategy.name, -1, "setup"
-    # Under zerolens's launcher nothing is allocated here: a strategy that leaves memory behind ends
-    # its launch (worker.run_strategies). Under another launcher it can be, and bench.json says so.
-    allocated_at_start = torch.cuda.memory_allocated() if cuda else None
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    strategy.setup(build_model(config.model, config.seed), device)
-    setup_peak = torch.cuda.max_memory_allocated() if cuda else None
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(config.seed + 1 + dist.get_rank())
-    seconds, losses = [], []
-    for step, (tokens, labels) in enumerate(batches):
-        phase.step = step
-        synchronize(device)
+    def after_setup(self, run) -> None:
+        run.measured["setup_peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def step(self, strategy: Strategy, record: dict, last: bool):
+        synchronize(self.device)
         start = time.perf_counter()
-        phase.enter("forward")
-        loss = strategy.forward_loss(tokens, labels)
-        phase.enter("backward")
-        strategy.backward(loss)
-        phase.enter("step")
-        strategy.step()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        losses.append(loss.detach().float())
-        if bar is not None:
-            bar.update(1)
-            if step + 1 == config.warmup_steps:
-                bar.set_description(f"{strategy.name} (timed)")
-    phase.step, phase.name = -1, "loss all-reduce"
-    local_losses = torch.stack(losses)
-    dist.all_reduce(local_losses)
-    result = {"name": strategy.name, "seconds": seconds, "losses": (local_losses / dist.get_world_size()).tolist(),
-              "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None, "setup_peak_bytes": setup_peak,
-              "allocated_at_start_bytes": allocated_at_start,
-              "settings": strategy.describe(), "notes": strategy.notes()}
-    phase.name = "teardown"
-    del loss, losses, local_losses
-    strategy.teardown()
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
+        yield
+        synchronize(self.device)
+        record["seconds"] = time.perf_counter() - start
+
+    def phase(self, name: str, strategy: Strategy, record: dict, last: bool, loss=None):
+        return contextlib.nullcontext()
+
+    def after_last_step(self, strategy: Strategy, record: dict, run) -> None:
+        pass
+
+    def finished(self, run) -> None:
+        # The peak over every step, warm-up included (the optimizer's states appear in the first).
+        run.measured["peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
 
 
 def synchronize(device: torch.device) -> None:

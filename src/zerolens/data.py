@@ -88,6 +88,16 @@ def global_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_s
     return torch.where(is_signal, class_tokens, noise), labels
 
 
+def rank_batches(model: ModelConfig, *, seed: int, micro_batch: int, signal: float, rank: int, world_size: int):
+    """This rank's micro-batch of every step, in order, made when it is needed: the same global batch
+    for every strategy at a step, rank r's rows of it here."""
+    step = 0
+    while True:
+        tokens, labels = make_batch(model, step, seed=seed, batch_size=micro_batch * world_size, signal=signal)
+        yield rank_slice(tokens, labels, rank, world_size)
+        step += 1
+
+
 def rank_slice(tokens: torch.Tensor, labels: torch.Tensor, rank: int, world_size: int):
     """Rank r's micro-batch: rows [r * micro, (r + 1) * micro) of the global batch."""
     micro = tokens.shape[0] // world_size

@@ -26,8 +26,12 @@ class MemoryProbe:
     allocator's events of each phase (peaks.py names every byte at the peak) and, on CPU, follows
     tensor allocations with torch's MemTracker for per-phase peaks (CPU has no allocator to ask)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, earlier_left: int = 0):
         self.cuda = device.type == "cuda"
+        # Bytes the strategies before this one in the same processes left allocated (only under a
+        # launcher other than zerolens's: worker.run_strategies); then traced to who allocated them.
+        self.earlier_left = earlier_left
+        self.leftover_blocks: dict[int, int] = {}
         self.device_index = device.index if self.cuda else None
         if self.cuda:
             # Keep the allocating Python stack of every live block (about 2 us per allocation):
@@ -83,8 +87,66 @@ class MemoryProbe:
         finally:
             self.tracker = None
 
+    # --- What the training loop (train.train) asks of its probe --------------------------------------
+    def label(self, strategy: Strategy, steps_done: int) -> str:
+        return strategy.name
+
+    def before_setup(self, run) -> None:
+        # CUDA: what is allocated before setup, as in a fresh process (512 bytes on 2xH200 with
+        # NCCL), plus anything earlier strategies left, which is then traced to its allocating code.
+        run.measured["allocated_at_start"] = self.allocated()
+        run.measured["leftover_sources"] = {}
+        if self.earlier_left:
+            from .train import still_referenced_wrappers
+            run.measured["leftover_sources"] = self.live_block_sources() | {
+                f"still referenced: {k}": 0 for k in still_referenced_wrappers()}
+            self.leftover_blocks = self.live_block_sizes()
+
+    def after_setup(self, run) -> None:
+        pass
+
+    def step(self, strategy: Strategy, record: dict, last: bool):
+        """The last step is measured in detail: per-phase CPU peaks (slow: a tensor tracker) and, on
+        CUDA, the allocator's events for the anatomy of each peak."""
+        return self.detailed_step(strategy) if last else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def phase(self, name: str, into: dict, detailed: bool = False):
+    def phase(self, name: str, strategy: Strategy, record: dict, last: bool, loss: torch.Tensor | None = None):
+        """One phase (forward, backward, step), measured into `record`: its peaks and time, the
+        activations saved in forward, what the strategy holds after it, and the census after
+        backward and after the step."""
+        with self.measured_phase(name, record, detailed=last):
+            if name == "forward":
+                with self.saved_activations(strategy, into=record):
+                    yield
+            else:
+                if name == "backward" and last and loss is not None:
+                    # What the strategy holds once backward has begun (e.g. reduce buckets).
+                    loss.register_hook(lambda grad: self.note_held(strategy))
+                yield
+        self.note_held(strategy)
+        if name in ("backward", "step"):
+            record |= self.census(strategy, name)
+
+    def after_last_step(self, strategy: Strategy, record: dict, run) -> None:
+        record["census_block_rounding_after_step"] = self.census_block_rounding(strategy)
+        # Clearing the cuBLAS workspaces costs a re-allocation: only once, at the end.
+        record["cublas_workspace_bytes"] = self.cublas_workspace_bytes()
+        if self.cuda:
+            # What is still allocated of the earlier strategies' leftovers (same block, same size):
+            # released at some point during this run, not at its start.
+            now = self.live_block_sizes() if self.leftover_blocks else {}
+            record["leftover_bytes_at_end"] = sum(size for addr, size in self.leftover_blocks.items()
+                                                  if now.get(addr) == size)
+            record["peak_anatomy"] = self.peak_anatomy(known_preexisting_bytes=(record["cublas_workspace_bytes"] or 0)
+                                                       + (run.measured["allocated_at_start"] or 0))
+
+    def finished(self, run) -> None:
+        pass
+
+    # --- The readings ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def measured_phase(self, name: str, into: dict, detailed: bool = False):
         """Peak readings and the wall time of one phase (forward, backward, step) into `into`."""
         start = time.perf_counter()
         try:

@@ -32,13 +32,15 @@ from . import report
 from .config import (RunConfig, UserError, add_bench_arguments, add_verify_arguments, config_from_args, load_config,
                      save_config)
 from .faults import fault_from_environment, leaked_bytes
-from .measure import clear_cublas_workspaces
+from .bench import StepTimer
+from .data import rank_batches
+from .measure import MemoryProbe, clear_cublas_workspaces
 from .model import parameter_shapes
 from .runfolder import default_run_folder, is_run_folder, new_run_folder, results_path
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
 from .summary import build_summary
-from .train import Phase, train_strategy
+from .train import Phase, train
 
 
 class RankFailure(RuntimeError):
@@ -179,19 +181,21 @@ def memory_left_behind(device: torch.device, allocated_before: int) -> int:
     return max(0, int(left.item()))
 
 
-def run_strategy(job: str, name: str, config: RunConfig, device: torch.device, phase: Phase,
-                 batches: list | None, earlier_left: int) -> dict:
-    """This rank's results for one strategy: trained and measured (verify) or timed (bench)."""
+def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phase, earlier_left: int) -> dict:
+    """This rank's results for one strategy, through the one training loop: measured (verify's
+    MemoryProbe) or timed (bench's StepTimer, after its warm-up steps)."""
     strategy = make_strategy(name, config.train_settings())
-    if job == "bench":
-        from .bench import bench_strategy
-        return bench_strategy(strategy, config, batches, device, phase)
-    result = train_strategy(strategy, model_config=config.model, steps=config.steps, seed=config.seed,
-                            signal=config.signal, micro_batch=config.micro_batch, device=device, phase=phase,
-                            earlier_left=earlier_left)
-    return {"losses": result.losses, "records": result.records, "seconds": result.seconds,
-            "settings": strategy.describe(), "notes": result.notes,
-            "allocated_at_start": result.allocated_at_start, "leftover_sources": result.leftover_sources}
+    bench = config.job == "bench"
+    probe = StepTimer(device, config.warmup_steps) if bench else MemoryProbe(device, earlier_left)
+    batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
+                           rank=dist.get_rank(), world_size=dist.get_world_size())
+    run = train(strategy, model_config=config.model, seed=config.seed, batches=batches, device=device, phase=phase,
+                steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe)
+    if bench:
+        return {"name": name, "seconds": [r["seconds"] for r in run.records], "losses": run.losses,
+                "settings": strategy.describe(), "notes": run.notes, **run.measured}
+    return {"losses": run.losses, "records": run.records, "seconds": run.seconds, "settings": strategy.describe(),
+            "notes": run.notes, **run.measured}
 
 
 def append_metrics(out: Path, rank: int, records: list[dict]) -> None:
@@ -213,23 +217,18 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
     todo = [[n for n in config.strategies if not results_path(out, n).exists()] if rank == 0 else None]
     dist.broadcast_object_list(todo)  # rank 0's view of the run folder, for every rank
     todo = todo[0]
-    batches = None
-    if job == "bench":
-        from .bench import bench_batches
-        batches = bench_batches(config)
     left_by_earlier = 0
     for i, name in enumerate(todo):
         allocated_before = allocated_now(device)
-        result = run_strategy(job, name, config, device, phase, batches, left_by_earlier)
+        result = run_strategy(name, config, device, phase, left_by_earlier)
         result["earlier_strategies_left_bytes"] = left_by_earlier
-        phase.strategy, phase.step = name, -1
         if job == "verify":
-            phase.name = "writing metrics"
+            phase.at(strategy=name, step=-1, name="writing metrics")
             append_metrics(out, rank, result["records"])
-        phase.name = "gathering results"
+        phase.at(strategy=name, step=-1, name="gathering results")
         gathered = [None] * config.nproc
         dist.all_gather_object(gathered, result)
-        phase.name = "measuring what is left"
+        phase.at(name="measuring what is left")
         left = memory_left_behind(device, allocated_before)
         if rank == 0:
             report.write_json(results_path(out, name), {"strategy": name, "left_allocated_bytes": left,
@@ -292,7 +291,7 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase) -> d
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
     print("\n" + text + f"\nReport: {out / 'report.md'}", flush=True)
-    phase.name = "plotting"
+    phase.at(name="plotting")
     try:
         from .plots import verify_plots
         paths = verify_plots(summary, out)
@@ -382,12 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume)
         summary = None
         if finished and rank == 0:
-            phase.strategy, phase.step, phase.name = "-", -1, "writing the report"
+            phase.at(strategy="-", step=-1, name="writing the report")
             if config.job == "bench":
                 finish_bench(config, device, out, command, quiet=args.quiet)
             else:
                 summary = finish_verify(config, out, command, phase)
-        phase.strategy, phase.step, phase.name = "-", -1, "shutdown"
+        phase.at(strategy="-", step=-1, name="shutdown")
         dist.barrier()
         dist.destroy_process_group()
         stop_watching(stack_file)
