@@ -47,7 +47,9 @@ def test_bench_writes_json_table_and_plot(bench_run):
                                           bench["strategies"]["zero2"]["losses"])) < 0.05
     assert "| zero2 |" in (out / "bench.md").read_text()
     assert (out / "bench.png").stat().st_size > 0
-    assert result.stdout.count("# zerolens bench") == 1  # rank 0 alone prints
+    assert result.stdout.count("zerolens bench:") == 1 and result.stdout.count("Report:") == 1  # rank 0 alone
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 30 and max(len(line) for line in lines) <= 100, result.stdout
 
 
 def test_bench_rejects_bad_flags():

@@ -74,7 +74,7 @@ def test_zerolens_starts_fresh_processes_after_a_strategy_that_left_memory(tmp_p
     result = zerolens("verify", "--strategies", "ddp,zero0,zero2", "--steps", "4", "--out", str(out), timeout=400,
                       env={"ZEROLENS_FAULT": "rank=0,step=1,phase=step,kind=leak"})
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("zerolens: 2 ranks on cpu") == 1  # one header for the three launches
+    assert result.stdout.count("zerolens verify: 2 ranks on cpu") == 1  # one header for the three launches
     assert result.stdout.count("the next strategies start in fresh processes") == 2
     summary = json.loads((out / "summary.json").read_text())
     for name in ("ddp", "zero0", "zero2"):

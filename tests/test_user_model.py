@@ -79,7 +79,7 @@ def test_batch_parameters_may_have_any_names(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     # 6 steps cannot tell whether the loss falls: said, not failed.
     assert summary["verdict"] == "PASS" and [c["name"] for c in summary["not_checked"]] == ["loss fell"]
-    assert "NOT CHECKED loss fell: 6 steps are too few" in result.stdout
+    assert "Not checked: loss fell: 6 steps are too few" in result.stdout
 
 
 def test_batch_functions_are_called_by_name_where_they_can_be(monkeypatch):

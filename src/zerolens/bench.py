@@ -19,7 +19,7 @@ import torch
 from .config import RunConfig
 from .data import make_batch
 from .model import training_flops_per_token
-from .report import GiB, markdown_table
+from .tables import GiB, markdown_table
 from .strategies import Strategy, registry
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
@@ -188,3 +188,20 @@ each step's slowest rank. {flops} {mfu}
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def bench_terminal_lines(summary: dict, out) -> list:
+    """bench's result for the terminal: one table, the notes' count, where the files are."""
+    from .tables import terminal_table
+    rows = []
+    for name, s in summary["strategies"].items():
+        vs = s[VS] or {}
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")), f"{s['tokens_per_s']:,.0f}",
+                     "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
+                     "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes"))])
+    notes = sum(len(s["notes"]) for s in summary["strategies"].values())
+    return ["", f"{summary['preset']}, {summary['world_size']} x {summary['device_name']}, {summary['precision']}: "
+            f"median of {summary['timed_steps']} timed steps, the slowest rank's.",
+            terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", "peak (GiB)",
+                            f"vs {REFERENCE}"], rows, right={1, 2, 3, 4, 5, 6}),
+            f"Report: {out / 'bench.md'} ({notes} notes there); bench.json and bench.png beside it."]

@@ -15,6 +15,7 @@ from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_v
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
 from .model import PRESETS
 from .strategies import registry
+from .tables import console
 from .jobs import run_folder, run_in_new_folder
 
 
@@ -172,7 +173,12 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params)
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
-    print(json.dumps(result, indent=2) if args.json else render_estimate(result))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        terminal = console()
+        for line in render_estimate(result):
+            terminal.print(line)
     return 0
 
 

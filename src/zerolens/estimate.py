@@ -73,18 +73,9 @@ def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int
             "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states + buffers}
 
 
-def unit_for(values) -> tuple[float, str]:
-    """One unit for a whole table, 1024-based: GiB when its largest figure reaches 1 GiB, else MiB."""
-    largest = max((v for v in values if v is not None), default=0)
-    return (2**30, "GiB") if largest >= 2**30 else (2**20, "MiB")
-
-
-def fmt(n: float | None, unit: float) -> str:
-    return "-" if n is None else f"{n / unit:,.3f}"
-
-
-def render_estimate(result: dict) -> str:
-    from .report import markdown_table
+def render_estimate(result: dict) -> list:
+    """The estimate for the terminal (rich renderables), one unit per table; --json has every figure."""
+    from .tables import in_unit, terminal_table, unit_for
     n, psi = result["world_size"], result["params"]
     lines = [f"zerolens estimate: {psi:,.0f} parameters, {n} ranks, {result['precision']}"]
     entries = result["strategies"]
@@ -93,30 +84,30 @@ def render_estimate(result: dict) -> str:
                 "retained_total_bytes")
         unit, label = unit_for([e["components"][k] for e in entries.values() for k in keys]
                                + [e["paper_model_states_bytes"] for e in entries.values()])
-        rows = [[name, *(fmt(e["components"][k], unit) for k in keys), fmt(e["paper_model_states_bytes"], unit),
-                 f"{e['paper_model_states_bytes'] / 1e9:,.1f}", fmt(e["deepspeed_estimator_bytes"], unit)]
-                for name, e in entries.items()]
-        lines += [f"Per rank, {label} (1024-based), from the parameter count alone: each strategy's layout in zerolens "
-                  "without padding or partition-boundary terms (they need the parameters' sizes: use --preset or "
-                  "--model). The ZeRO paper's model states are for 16-bit weights and gradients with K = 12, also in "
-                  "GB (10^9 bytes), the paper's unit. Activations are not included.", "",
-                  markdown_table(["strategy", "params", "grads after backward", "optimizer states",
-                                  "buffers kept", "retained total", "model states (paper)", "paper (GB)",
-                                  "DeepSpeed estimator"], rows)]
-        return "\n".join(lines)
+        rows = [[name, *(in_unit(e["components"][k], unit, 2) for k in keys),
+                 in_unit(e["paper_model_states_bytes"], unit, 2), f"{e['paper_model_states_bytes'] / 1e9:,.1f}",
+                 in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e in entries.items()]
+        return lines + [
+            f"Per rank, {label} (1024-based), from the parameter count alone: each strategy's layout without the "
+            "padding and partition-boundary terms, which need the parameters' sizes (--preset or --model). "
+            "The ZeRO paper's model states (16-bit, K = 12) also in GB (10^9 bytes), the paper's unit. "
+            "Activations are not included.",
+            terminal_table(["strategy", "params", "grads", "optimizer", "buffers", "kept total", "paper",
+                            "paper GB", "DeepSpeed"], rows, right=set(range(1, 9)))]
     shown = []
     for name, e in entries.items():
         ranks = e["ranks"]
         largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))
         shown += [(name, e, r) for r in [ranks[0]] + ([largest] if largest is not ranks[0] else [])]
-    keys = ("param_bytes", "grad_bytes_after_backward", "grad_bytes_after_step", "optimizer_state_bytes",
-            "comm_buffer_bytes_after_backward", "transient_reduce_bucket_bytes")
+    keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
+            "transient_reduce_bucket_bytes", "retained_total_bytes")
     unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [e["paper_model_states_bytes"] for e in entries.values()])
-    rows = [[name, r["rank"], *(fmt(r[k], unit) for k in keys), fmt(e["paper_model_states_bytes"], unit),
-             fmt(e["deepspeed_estimator_bytes"], unit)] for name, e, r in shown]
-    lines += [f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets); rank 0 "
-              "and the rank holding the most gradients. Activations are not included.", "",
-              markdown_table(["strategy", "rank", "params", "grads after backward", "grads after step",
-                              "optimizer states", "comm buffers kept", "reduce bucket in backward",
-                              "model states (paper)", "DeepSpeed estimator"], rows)]
-    return "\n".join(lines)
+    rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(e["paper_model_states_bytes"], unit, 2),
+             in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
+    return lines + [
+        f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "
+        "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
+        "allocated in backward; \"kept\": everything held between steps. Activations are not included (--json: "
+        "every rank and figure).",
+        terminal_table(["strategy", "rank", "params", "grads", "optimizer", "buffers", "bucket", "kept", "paper",
+                        "DeepSpeed"], rows, right=set(range(1, 10)))]

@@ -16,12 +16,12 @@ from .runfolder import default_run_folder, new_run_folder, results_path
 USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
 
 
-def run_in_new_folder(config: RunConfig, command: str, overwrite: bool = False) -> dict | None:
+def run_in_new_folder(config: RunConfig, command: str, overwrite: bool = False, quiet: bool = False) -> dict | None:
     """One verify or bench on local workers, in a new run folder; its summary.json or bench.json, or
     None when a rank failed (said on stderr, and summary.json marked FAIL)."""
     out = run_folder(config, overwrite)
     try:
-        return run_job(replace(config, out=str(out)), command)
+        return run_job(replace(config, out=str(out)), command, quiet=quiet)
     except WorkersFailed as e:
         report_failure(out, e, command)
         return None

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .model import parameter_shapes
 from . import report
-from .report import GiB, markdown_table
+from .tables import GiB, markdown_table
 from .runfolder import new_run_folder
 from .strategies import registry
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import MiB
+from .tables import MiB
 
 COMPONENTS = (("param_bytes", "parameters"), ("grad_bytes_after_backward", "gradients (after backward)"),
               ("optimizer_state_bytes", "optimizer states"),

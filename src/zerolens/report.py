@@ -8,22 +8,7 @@ from pathlib import Path
 
 from .checks import BY_ALLOCATING_CODE, census_after_step, unexplained_bytes
 
-MiB = 1024 ** 2  # output is in MiB, 1024-based; bytes everywhere else
-GiB = 1024 ** 3
-
-
-def mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / MiB:.3f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.3f}"
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+from .tables import in_unit, markdown_table, mib, ratio, unit_for
 
 
 def with_prediction(rank: dict, key: str) -> str:
@@ -216,3 +201,49 @@ def write_atomic(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+# --- The terminal: what a user needs, at most about 25 lines of 100 columns ------------------------------
+
+def terminal_lines(summary: dict, out: Path) -> list:
+    """verify's summary for the terminal (rich renderables): one table of strategy x rank (identical
+    ranks folded) with what each keeps and its peak against the baseline's, the notes that matter,
+    the count of checks with every failing one in full, the verdict, and where the files are.
+    Everything else is in report.md (`--verbose` prints it)."""
+    from .tables import terminal_table, verdict_text
+    base = summary["strategies"][summary["baseline"]]["ranks"]
+    keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "peak_bytes")
+    unit, label = unit_for([r[k] for s in summary["strategies"].values() for r in s["ranks"] for k in keys])
+    rows = []
+    for name, s in summary["strategies"].items():
+        shown = [(in_unit(r["param_bytes"], unit), in_unit(r["grad_bytes_after_backward"], unit),
+                  ratio(r["grad_bytes_after_backward"], base[r["rank"]]["grad_bytes_after_backward"]),
+                  in_unit(r["optimizer_state_bytes"], unit), in_unit(r["peak_bytes"], unit),
+                  ratio(r["peak_bytes"], base[r["rank"]]["peak_bytes"])) for r in s["ranks"]]
+        for first, last, values in folded(shown):
+            rows.append([name, str(first) if first == last else f"{first}-{last}", *values])
+    table = terminal_table(["strategy", "ranks", f"params ({label})", f"grads ({label})", "vs base",
+                            f"optimizer ({label})", f"peak ({label})", "vs base"], rows, right={2, 3, 4, 5, 6, 7})
+    checks = summary["checks"]
+    failed = [c for c in checks if not c["passed"]]
+    lines = ["", f"Memory per rank ({summary['precision']}): kept between steps (gradients: right after backward) "
+             f"and the peak; vs base: against {summary['baseline']}", table]
+    lines += [f"- {note}" for note in summary.get("headline_notes", [])]
+    lines.append(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+                 + (f"; {len(summary['notes'])} notes in report.md" if summary["notes"] else "") + ".")
+    lines += [f"[red]FAIL[/] {c['name']}: {c['detail']} (tolerance: {c['tolerance']})" for c in failed]
+    lines += [f"Not checked: {c['name']}: {c['why']}." for c in summary.get("not_checked", [])]
+    lines.append(f"Verdict: {verdict_text(summary['verdict'])}")
+    lines.append(f"Report: {out / 'report.md'}; summary.json and plots beside it.")
+    return lines
+
+
+def folded(rows: list[tuple]) -> list[tuple[int, int, tuple]]:
+    """Consecutive identical rows as (first index, last index, row)."""
+    out = []
+    for i, row in enumerate(rows):
+        if out and out[-1][2] == row:
+            out[-1] = (out[-1][0], i, row)
+        else:
+            out.append((i, i, row))
+    return out

@@ -6,7 +6,7 @@ from statistics import median
 from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, loss_matches, peak_check, prediction_check,
                      zero_gradient_checks)
 from .config import RunConfig
-from .report import MiB
+from .tables import MiB
 from .strategies import registry
 from .theory import ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
 
@@ -128,7 +128,8 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         checks.append(metrics)
     notes = [config.precision_note] if config.precision_note else []
     notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
-    notes += bucket_notes(config, strategies, sum(param_numels))
+    long, headline_notes = bucket_notes(config, strategies, sum(param_numels))
+    notes += long
     notes += persistent_parameter_notes(config, strategies)
     notes += leftover_notes(config, strategies, gathered)
     skipped = {n: s["skipped_steps"] for n, s in strategies.items() if s["skipped_steps"]}
@@ -139,7 +140,7 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         "verdict": "PASS" if all(c["passed"] for c in checks) else "FAIL",
         "world_size": config.nproc, "device": config.device, "precision": config.precision,
         "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),
-        "notes": notes, "checks": checks, "not_checked": not_checked, "strategies": strategies, "versions": versions,
+        "notes": notes, "headline_notes": headline_notes, "checks": checks, "not_checked": not_checked, "strategies": strategies, "versions": versions,
     }
 
 
@@ -183,15 +184,15 @@ def recommended_bucket(psi: int, world_size: int) -> int:
     return share // scale * scale
 
 
-def bucket_notes(config: RunConfig, strategies: dict, psi: int) -> list[str]:
+def bucket_notes(config: RunConfig, strategies: dict, psi: int) -> tuple[list[str], list[str]]:
     """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
     every backward, ZeRO-3 keeps one: the registry says which), measured against the baseline's peak
-    where the allocator can tell."""
+    where the allocator can tell. (The notes for report.md, and one line each for the terminal.)"""
     element = ELEMENT_BYTES[config.precision]
     bucket, grads = config.reduce_bucket_size * element, psi * element
     if bucket <= grads:
-        return []
-    notes = []
+        return [], []
+    notes, headlines = [], []
     base = strategies[config.baseline]["ranks"][0]["peak_bytes"]
     lifetime = {"every backward": "allocated on every backward", "whole run": "kept for the whole run"}
     for name in strategies:
@@ -202,12 +203,17 @@ def bucket_notes(config: RunConfig, strategies: dict, psi: int) -> list[str]:
                     f" Measured on rank 0: peak {peak / MiB:.1f} MiB under {name} against "
                     f"{base / MiB:.1f} MiB under {config.baseline}"
                     + (", so sharding costs memory here." if peak > base else "."))
+        headlines.append(
+            f"{name}: its {bucket / MiB:.1f} MiB reduce bucket ({lifetime[registry.spec(name).reduce_bucket]}) "
+            f"outweighs all {grads / MiB:.1f} MiB of gradients"
+            + ("" if peak is None or base is None else f"; peak {peak / MiB:.1f} MiB against {base / MiB:.1f} MiB")
+            + f". Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}.")
         notes.append(
             f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {bucket / MiB:.1f} MiB "
             f"buffer {lifetime[registry.spec(name).reduce_bucket]}, while all of this model's gradients take {grads / MiB:.1f} MiB."
             f"{measured} Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}: at most one "
             "rank's share of the gradients.")
-    return notes
+    return notes, headlines
 
 
 def persistent_parameter_notes(config: RunConfig, strategies: dict) -> list[str]:

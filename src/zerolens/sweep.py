@@ -8,7 +8,7 @@ import sys
 from itertools import groupby
 
 from .checks import check, loss_matches
-from .report import markdown_table, mib
+from .tables import markdown_table, mib
 from .strategies import registry
 from .theory import deepspeed_layout
 
@@ -210,11 +210,14 @@ def run_sweep(points: list, out, command: str) -> int:
     from . import report
     from .jobs import run_in_new_folder
     from .model import parameter_shapes
+    from .tables import console
+    terminal = console()
     done, failed = [], []
     for config in points:
         label = f"{config.preset}, N={config.nproc}, reduce_bucket_size {config.reduce_bucket_size:.0e}"
-        print(f"zerolens sweep: {label}", flush=True)
-        summary = run_in_new_folder(config, command=f"{command} (point: {label})")
+        summary = run_in_new_folder(config, command=f"{command} (point: {label})", quiet=True)
+        terminal.print(f"zerolens sweep: {label}: {'failed' if summary is None else summary['verdict']} "
+                       f"({config.out})")
         if summary is None:
             failed.append(f"{config.preset} N={config.nproc} bucket {config.reduce_bucket_size:.0e}")
             continue
@@ -232,10 +235,32 @@ def run_sweep(points: list, out, command: str) -> int:
     report.write_json(out / "sweep.json", {"verdict": verdict, "points": done, "failed": failed,
                                            "across_n_checks": checks, "notes": notes})
     report.write_atomic(out / "sweep.md", text)
-    print("\n" + text)
     try:
         from .plots import sweep_plots
-        print("Plots: " + ", ".join(str(p) for p in sweep_plots(done, out)))
+        sweep_plots(done, out)
     except ImportError:
-        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+        terminal.print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    for line in sweep_terminal_lines(rows, checks, verdict, out):
+        terminal.print(line, markup=isinstance(line, str) and "[/]" in line)
     return 0 if passed else 1
+
+
+def sweep_terminal_lines(rows: list[dict], checks: list[dict], verdict: str, out) -> list:
+    """The sweep for the terminal: per model, bucket and strategy, the largest rank's gradients as a
+    share of the unsharded ones at each N; the checks across N (every failing one in full); the
+    verdict; where the files are."""
+    from .tables import terminal_table, verdict_text
+    ns = sorted({r["world_size"] for r in rows})
+    table_rows = {}
+    for r in rows:
+        key = (r["preset"], f"{r['reduce_bucket_size']:.0e}", r["strategy"])
+        table_rows.setdefault(key, {})[r["world_size"]] = f"{r['gradients']['measured']['share_of_unsharded']:.4f}"
+    table = terminal_table(["model", "bucket", "strategy", *(f"N={n}" for n in ns)],
+                           [[*key, *(shares.get(n, "-") for n in ns)] for key, shares in table_rows.items()],
+                           right=set(range(3, 3 + len(ns))))
+    failed = [c for c in checks if not c["passed"]]
+    return ["", "Gradients kept by the largest rank, as a share of the unsharded ones (1/N where sharded):", table,
+            f"Across world sizes: {len(checks) - len(failed)} of {len(checks)} checks passed.",
+            *(f"[red]FAIL[/] {c['name']}: {c['detail']}" for c in failed),
+            f"Verdict: {verdict_text(verdict)}",
+            f"Report: {out / 'sweep.md'}; sweep.json, the plots and each point's folder beside it."]

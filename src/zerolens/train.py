@@ -5,7 +5,6 @@ import contextlib
 import gc
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from .faults import Fault, inject
 from .model import ModelConfig, build_model
 from .strategies import Strategy
+from .tables import progress
 
 
 @dataclass
@@ -53,17 +53,6 @@ def write_heartbeat(path: Path, where: str) -> None:
     tmp.replace(path)  # the watchdog never reads half a file
 
 
-def progress_bar(total: int, description: str = ""):
-    """A progress bar on stderr, drawn only on a terminal (left out of logs and pipes)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # a progress bar is a nicety, never a reason to fail
-        return contextlib.nullcontext()
-    # Redrawn at every step (a step takes milliseconds at least): the bar shows each one.
-    return tqdm(total=total, desc=description, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False,
-                disable=None, mininterval=0)
-
-
 @dataclass
 class StrategyRun:
     """One strategy's run on this rank: what the loop and its probe found."""
@@ -90,7 +79,7 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
     torch.manual_seed(seed + 1 + rank)
     losses = []
     start = time.perf_counter()
-    with progress_bar(steps, probe.label(strategy, 0)) if rank == 0 else contextlib.nullcontext() as bar:
+    with progress(steps, probe.label(strategy, 0)) if rank == 0 else contextlib.nullcontext() as bar:
         for step, (tokens, labels) in zip(range(steps), batches):
             phase.at(step=step)
             record = {"strategy": strategy.name, "rank": rank, "step": step}
@@ -111,8 +100,7 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
             losses.append(loss.detach().float())
             run.records.append(record)
             if bar is not None:
-                bar.update(1)
-                bar.set_description(probe.label(strategy, step + 1))
+                bar.advance(probe.label(strategy, step + 1))
     run.seconds = time.perf_counter() - start
     # One all-reduce for every step's loss: equal micro-batches, so their mean is the global-batch loss.
     phase.at(step=-1, name="loss all-reduce")

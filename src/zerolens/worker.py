@@ -52,7 +52,8 @@ def worker_parser() -> argparse.ArgumentParser:
     add_verify_arguments(parser)
     add_bench_arguments(parser)
     parser.add_argument("--job", choices=("verify", "bench"), default="verify")
-    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # files only (maxsize's trials)
+    # Files only, nothing on the terminal: the points of a sweep, the trials of maxsize.
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     # `zerolens verify` turns the verdict into its own exit code, so it asks for 0 here.
     parser.add_argument("--fail-exit-code", type=int, default=1, help="exit code of rank 0 on FAIL (default 1)")
@@ -206,7 +207,7 @@ def append_metrics(out: Path, rank: int, records: list[dict]) -> None:
 
 
 def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path, phase: Phase,
-                   stop_on_leftover: bool) -> bool:
+                   stop_on_leftover: bool, quiet: bool = False) -> bool:
     """Runs, one after another, every strategy that has no results in `out` yet; rank 0 writes each
     one's results as soon as it is done. A strategy that leaves memory allocated after its teardown
     would put it in the next one's peak (DDP's buckets were still allocated right after its teardown
@@ -233,15 +234,15 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
         if rank == 0:
             report.write_json(results_path(out, name), {"strategy": name, "left_allocated_bytes": left,
                                                         "ranks": gathered})
-            if job == "verify":
+            if job == "verify" and not quiet:
                 losses = gathered[0]["losses"]
-                print(f"zerolens: {name} done in {max(g['seconds'] for g in gathered):.1f} s, loss "
-                      f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+                say(f"zerolens: {name} done in {max(g['seconds'] for g in gathered):.1f} s, loss "
+                    f"{losses[0]:.4f} -> {losses[-1]:.4f}")
         left_by_earlier += left
         if left and stop_on_leftover and i + 1 < len(todo):
-            if rank == 0:
-                print(f"zerolens: {name} left {left / 2**20:.1f} MiB allocated after its teardown; the next "
-                      "strategies start in fresh processes, so that it is in none of their peaks", flush=True)
+            if rank == 0 and not quiet:
+                say(f"zerolens: {name} left {left / 2**20:.1f} MiB allocated: the next strategies start in fresh "
+                    "processes")
             return False
     return True
 
@@ -257,7 +258,7 @@ def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int) -> list
 
 def finish_bench(config: RunConfig, device: torch.device, out: Path, command: str, quiet: bool) -> None:
     """Rank 0, once every strategy has results: bench.json, bench.md and bench.png."""
-    from .bench import bench_summary, render_bench
+    from .bench import bench_summary, bench_terminal_lines, render_bench
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     summary = bench_summary(config, gathered_results(out, config.strategies, config.nproc), params, device_name,
@@ -271,15 +272,15 @@ def finish_bench(config: RunConfig, device: torch.device, out: Path, command: st
     report.write_atomic(out / "bench.md", text)
     if quiet:
         return
-    print("\n" + text + f"\nReport: {out / 'bench.md'}", flush=True)
     try:
         from .plots import bench_plot
-        print(f"Plot: {bench_plot(summary, out / 'bench.png')}\n", flush=True)
+        bench_plot(summary, out / "bench.png")
     except ImportError:
-        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
+        say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    say(*(text.splitlines() if config.verbose else bench_terminal_lines(summary, out)))
 
 
-def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase) -> dict:
+def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quiet: bool = False) -> dict:
     """Rank 0, once every strategy has results: summary.json, report.md and the plots."""
     # Shapes from a copy on the meta device: building the model again on the CPU only to read its
     # sizes cost seconds (14 s for gpt-1b on 2 cores).
@@ -290,15 +291,25 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase) -> d
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
-    print("\n" + text + f"\nReport: {out / 'report.md'}", flush=True)
     phase.at(name="plotting")
     try:
         from .plots import verify_plots
-        paths = verify_plots(summary, out)
-        print("Plots: " + ", ".join(str(p) for p in paths) + "\n", flush=True)
+        verify_plots(summary, out)
     except ImportError:
-        print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)\n", flush=True)
+        say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    if config.verbose and not quiet:
+        say(*text.splitlines())
+    if not quiet:
+        say(*report.terminal_lines(summary, out))
     return summary
+
+
+def say(*lines) -> None:
+    """Rank 0's lines on the terminal: at most 100 columns, rich tables where given."""
+    from .tables import console
+    terminal = console()
+    for line in lines:
+        terminal.print(line, markup=isinstance(line, str) and "[/]" in line)
 
 
 def agree_on_run_folder(config: RunConfig, args: argparse.Namespace) -> Path:
@@ -322,14 +333,14 @@ def agree_on_run_folder(config: RunConfig, args: argparse.Namespace) -> Path:
 
 def print_header(config: RunConfig, out: Path) -> None:
     if config.precision_note:
-        print(f"zerolens: {config.precision_note}", flush=True)
+        say(f"zerolens: {config.precision_note}")
     if config.job == "bench":
-        print(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-              f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
-              f"run folder {out}", flush=True)
+        say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
+            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
+            f"run folder {out}")
     else:
-        print(f"zerolens: {config.nproc} ranks on {config.device}, strategies {', '.join(config.strategies)}, "
-              f"{config.steps} steps; run folder {out}", flush=True)
+        say(f"zerolens verify: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
+            f"{', '.join(config.strategies)}, {config.steps} steps; run folder {out}")
 
 
 @record
@@ -378,14 +389,15 @@ def main(argv: list[str] | None = None) -> int:
             if not args.config:  # zerolens wrote it; under another launcher rank 0 does
                 save_config(config, out / "config.json", command)
         dist.barrier()  # the folder is ready before any rank writes into it
-        finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume)
+        finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume,
+                                  quiet=args.quiet)
         summary = None
         if finished and rank == 0:
             phase.at(strategy="-", step=-1, name="writing the report")
             if config.job == "bench":
                 finish_bench(config, device, out, command, quiet=args.quiet)
             else:
-                summary = finish_verify(config, out, command, phase)
+                summary = finish_verify(config, out, command, phase, quiet=args.quiet)
         phase.at(strategy="-", step=-1, name="shutdown")
         dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""Units and tables, for files and for the terminal.
+
+Bytes everywhere inside; MiB and GiB (1024-based) in what people read, one unit per table. The
+terminal gets rich's rendering, at most 100 columns wide, in colour only on a terminal (plain text
+in logs and pipes); report.md and the other Markdown files get Markdown tables.
+"""
+from __future__ import annotations
+
+import sys
+
+MiB = 1024 ** 2
+GiB = 1024 ** 3
+WIDTH = 100  # the terminal's width for everything zerolens prints
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:.3f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.3f}"
+
+
+def unit_for(values) -> tuple[float, str]:
+    """One unit for a whole table: GiB when its largest figure reaches 1 GiB, else MiB."""
+    largest = max((v for v in values if v is not None), default=0)
+    return (GiB, "GiB") if largest >= GiB else (MiB, "MiB")
+
+
+def in_unit(n: float | None, unit: float, digits: int = 3) -> str:
+    return "-" if n is None else f"{n / unit:,.{digits}f}"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def console(stderr: bool = False):
+    """rich's console, WIDTH columns at most (fewer on a narrower terminal)."""
+    from rich.console import Console
+    probe = Console(stderr=stderr)
+    width = min(WIDTH, probe.width) if probe.is_terminal else WIDTH
+    return Console(stderr=stderr, width=width, highlight=False, soft_wrap=False)
+
+
+def terminal_table(header: list[str], rows: list[list], *, right: set[int] | None = None):
+    """A table for the terminal (rich): numbers right-aligned (the columns in `right`)."""
+    from rich import box
+    from rich.table import Table
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    for i, name in enumerate(header):
+        table.add_column(name, justify="right" if right and i in right else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(str(c) for c in row))
+    return table
+
+
+def verdict_text(verdict: str) -> str:
+    """The verdict in rich markup: green PASS, red FAIL (colour only reaches a terminal)."""
+    return f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/]"
+
+
+def progress(total: int, description: str = ""):
+    """A progress bar on stderr, drawn only on a terminal (left out of logs and pipes); it goes when
+    done. Use as a context manager; its `advance(label)` moves it one step."""
+    return Progress(total, description)
+
+
+class Progress:
+    def __init__(self, total: int, description: str):
+        self.total, self.description = total, description
+        self.bar = self.task = None
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
+                TimeElapsedColumn
+            self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                    TimeElapsedColumn(), console=console(stderr=True), transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task(self.description, total=self.total)
+        return self
+
+    def advance(self, description: str | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, refresh=True, **({"description": description} if description else {}))
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
