@@ -36,6 +36,7 @@ def state_after_setup(rank, world_size):
     return result
 
 
+@pytest.mark.slow
 def test_the_wrapper_step_is_undone_and_the_probe_leaves_nothing():
     (result,) = spawn(state_after_setup, world_size=1, timeout=240)
     assert result["state"] == 0 and result["factor"] in (1.0, result["scale"]) and result["grads_left"] == 0
@@ -64,6 +65,7 @@ def test_the_probe_reads_the_factor_a_backward_applies():
     assert loss_factor_of_backward(Scaling, [w]) == 1024.0 and w.grad is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_zero0_and_zero1_train_alike_in_bf16(nproc, tmp_path):
     out = tmp_path / f"n{nproc}"

@@ -68,6 +68,7 @@ def census(request):
     return request.param, spawn(census_of_every_strategy, world_size=request.param, timeout=400)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_census_equals_prediction_byte_for_byte(census, name, precision):

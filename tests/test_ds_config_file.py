@@ -27,6 +27,7 @@ def test_autos_are_filled_and_the_strategy_decides_the_stage():
     assert zero2.notes() == ["zero2: --ds-config says stage 3; zero2 runs stage 2"]
 
 
+@pytest.mark.slow
 def test_verify_with_a_user_config(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(AUTO_CONFIG))

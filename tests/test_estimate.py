@@ -1,6 +1,7 @@
 """`zerolens estimate`: the ZeRO paper's Figure 1, presets, user models, JSON, errors."""
 import json
 
+
 from conftest import zerolens
 from zerolens.cli import main
 from zerolens.model import PRESETS, build_model

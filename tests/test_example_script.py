@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, free_port, run
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 @pytest.mark.parametrize("mode, steps", [("stage2", 20), ("stage2", 20), ("baseline", 3)])
 def test_case_study_script_prints_true_gradient_memory(mode, steps):

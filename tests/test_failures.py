@@ -3,11 +3,14 @@ through ZEROLENS_FAULT) ends every rank, names the rank and phase, keeps that ra
 marks the summary FAIL; run folders are never overwritten unless asked; the same seed gives the
 same losses."""
 import json
+
+import pytest
 import time
 
 from conftest import zerolens
 
 
+@pytest.mark.slow
 def test_a_crash_on_one_rank_ends_the_run_and_says_where(tmp_path):
     out = tmp_path / "crash"
     start = time.monotonic()
@@ -24,6 +27,7 @@ def test_a_crash_on_one_rank_ends_the_run_and_says_where(tmp_path):
     assert elapsed < 60  # start-up included; the ranks do not wait out a collective's timeout
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_reported_with_a_suggestion(tmp_path):
     result = zerolens("verify", "--steps", "6", "--out", str(tmp_path / "oom"), timeout=240,
                       env={"ZEROLENS_FAULT": "rank=0,step=1,phase=step,kind=oom"})
@@ -38,6 +42,7 @@ def test_a_malformed_fault_is_a_user_error(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_and_no_overwrite(tmp_path):
     runs = []
     for name in ("a", "b"):
@@ -57,6 +62,7 @@ def test_same_seed_same_losses_and_no_overwrite(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").exists()
 
 
+@pytest.mark.slow
 def test_a_hang_on_one_rank_is_ended_by_the_timeout_and_named(tmp_path):
     out = tmp_path / "hang"
     start = time.monotonic()
@@ -70,6 +76,7 @@ def test_a_hang_on_one_rank_is_ended_by_the_timeout_and_named(tmp_path):
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow
 def test_a_failed_bench_is_marked_too(tmp_path):
     out = tmp_path / "bench"
     result = zerolens("bench", "--preset", "gpt-tiny", "--warmup", "1", "--steps", "2", "--out", str(out), timeout=240,
@@ -79,6 +86,7 @@ def test_a_failed_bench_is_marked_too(tmp_path):
     assert not (out / "bench.json").exists()
 
 
+@pytest.mark.slow
 def test_a_hang_before_the_process_group_exists_is_ended_too(tmp_path):
     """Rank 1 hangs before init_process_group: rank 0 waits in the rendezvous. Nothing has trained;
     the watchdog still ends both, from its own children rather than from heartbeat files."""

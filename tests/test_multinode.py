@@ -10,6 +10,7 @@ import pytest
 from conftest import free_port, zerolens
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_match_one_node(tmp_path):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}

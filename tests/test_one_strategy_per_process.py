@@ -4,6 +4,8 @@ of the strategies after it are kept aside, never reported as theirs. On CPU noth
 (its peaks come from a tracker of the strategy's own tensors), so what is left is simulated here;
 the GPU tests and docs/results/2xh200 show it with DDP's buckets."""
 import json
+
+import pytest
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ def two_launches(rank, world_size, out):
     return first, done_first, second
 
 
+@pytest.mark.slow
 def test_a_strategy_that_leaves_memory_ends_the_launch(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -66,6 +69,7 @@ def test_under_another_launcher_the_peaks_after_a_leftover_are_kept_aside():
     assert "ran in fresh worker processes" in leftover_notes(cfg, strategies, gathered)[0]
 
 
+@pytest.mark.slow
 def test_zerolens_starts_fresh_processes_after_a_strategy_that_left_memory(tmp_path):
     """End to end, through the CLI: every strategy leaves 1 MiB behind on rank 0 (a `leak` fault),
     so each launch ends after one strategy and the next starts in new processes."""

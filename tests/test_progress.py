@@ -1,3 +1,4 @@
+import pytest
 """A long verify or bench is not silent: on a terminal, rank 0 draws a bar per strategy that moves
 with every step, and bench's says when the timed steps begin. In one process (world size 1), with
 stderr standing in for a terminal."""
@@ -32,6 +33,7 @@ def progress_of_verify_and_bench(rank, world_size):
     return trained, screen.getvalue()[len(trained):]
 
 
+@pytest.mark.slow
 def test_each_step_moves_a_bar_on_a_terminal():
     ((trained, benched),) = spawn(progress_of_verify_and_bench, world_size=1, timeout=240)
     assert "ddp" in trained and "5/5" in trained

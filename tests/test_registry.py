@@ -26,6 +26,7 @@ def test_every_strategy_says_what_the_rest_of_zerolens_asks():
     assert not registry.needing_deepspeed(registry.without_deepspeed())
 
 
+@pytest.mark.slow
 def test_a_strategy_added_through_the_registry_runs_through_estimate_and_verify(tmp_path):
     estimate = zerolens("estimate", "--strategies", "ddp,ddp-again", "--json", timeout=120, env=PLUGIN)
     assert estimate.returncode == 0, estimate.stderr

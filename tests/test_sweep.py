@@ -2,6 +2,8 @@
 with one verify per world size, gradient bytes following the prediction."""
 import json
 
+import pytest
+
 from conftest import zerolens
 from zerolens.model import PRESETS, build_model
 from zerolens.sweep import across_n, across_n_checks, expected_share, series
@@ -89,6 +91,7 @@ def test_series_groups_by_model_and_bucket_and_compares_with_the_smallest_n():
     assert rows[2]["loss"]["name"].endswith("vs N=1)") and rows[2]["loss"]["passed"]
 
 
+@pytest.mark.slow
 def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "sweep"
     result = zerolens("sweep", "--nproc-list", "1,3", "--strategies", "zero0,zero2", "--steps", "8",
@@ -120,6 +123,7 @@ def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
     assert "| 3 |" in text and "## Across world sizes" in text
 
 
+@pytest.mark.slow
 def test_sweep_rejects_a_bad_list():
     result = zerolens("sweep", "--nproc-list", "0,2", timeout=60)
     assert result.returncode == 2 and "--nproc-list needs positive values" in result.stderr

@@ -10,6 +10,7 @@ USER = ["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_
 ENV = {"PYTHONPATH": str(REPO / "tests")}  # the workers import the user's module too
 
 
+@pytest.mark.slow
 def test_verify_a_user_model(tmp_path):
     out = tmp_path / "run"
     result = zerolens("verify", *USER, "--strategies", "ddp,zero2,fsdp2-grad", "--steps", "30", "--lr", "1e-2",
@@ -21,6 +22,7 @@ def test_verify_a_user_model(tmp_path):
     assert json.loads((out / "config.json").read_text())["preset"] == "zerolens_test_models:tiny_classifier"
 
 
+@pytest.mark.slow
 def test_bench_a_user_model(tmp_path):
     out = tmp_path / "bench"
     result = zerolens("bench", *USER, "--warmup", "1", "--steps", "2", "--out", str(out), timeout=300, env=ENV)
@@ -70,6 +72,7 @@ def test_a_model_module_in_the_current_folder_is_found(tmp_path, capsys, monkeyp
     assert '"params"' in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_batch_parameters_may_have_any_names(tmp_path):
     out = tmp_path / "run"
     result = zerolens("verify", "--model", "zerolens_test_models:tiny_classifier", "--batch",

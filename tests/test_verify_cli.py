@@ -17,6 +17,7 @@ def verify_run(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
 def test_default_verify_passes_and_prints_one_table(verify_run):
     result, out = verify_run
     assert result.returncode == 0, result.stdout + result.stderr
@@ -29,6 +30,7 @@ def test_default_verify_passes_and_prints_one_table(verify_run):
     assert "[INFO]" not in result.stdout + result.stderr  # DeepSpeed's logging stays hidden
 
 
+@pytest.mark.slow
 def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     _, out = verify_run
     for name in ("config.json", "env.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md",
@@ -56,6 +58,7 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["heartbeat_rank0.json", "heartbeat_rank1.json"]
 
 
+@pytest.mark.slow
 def test_zero2_gradients_are_the_predicted_partition(verify_run):
     _, out = verify_run
     summary = json.loads((out / "summary.json").read_text())
@@ -68,6 +71,7 @@ def test_zero2_gradients_are_the_predicted_partition(verify_run):
         assert rank["grad_bytes_after_backward"] == 2 * layout[r].held_grad_elements  # bf16
 
 
+@pytest.mark.slow
 def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
     _, out = verify_run
     summary = json.loads((out / "summary.json").read_text())
@@ -83,6 +87,7 @@ def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
     assert check["passed"] and check["measured"]["window_steps"] == w
 
 
+@pytest.mark.slow
 def test_existing_run_folder_is_not_overwritten(verify_run):
     _, out = verify_run
     result = zerolens("verify", "--out", str(out), timeout=60)
@@ -90,6 +95,7 @@ def test_existing_run_folder_is_not_overwritten(verify_run):
     assert "already exists" in result.stderr
 
 
+@pytest.mark.slow
 def test_every_strategy_on_two_ranks(tmp_path):
     # bf16: DDP and DeepSpeed under autocast, FSDP2 with its MixedPrecisionPolicy; all within the
     # bf16 loss tolerance of the baseline, zero0, and every memory check passes. 15 steps keep
@@ -114,6 +120,7 @@ def test_every_strategy_on_two_ranks(tmp_path):
     assert any(n.startswith("zero3 holds") and "param_persistence_threshold" in n for n in summary["notes"])
 
 
+@pytest.mark.slow
 def test_worker_runs_unchanged_under_torchrun(tmp_path):
     import sys
     from conftest import run
@@ -128,6 +135,7 @@ def test_worker_runs_unchanged_under_torchrun(tmp_path):
     assert result.stdout.count("Memory per rank") == 1
 
 
+@pytest.mark.slow
 def test_summary_carries_predictions_and_the_bucket_advice(verify_run):
     _, out = verify_run
     summary = json.loads((out / "summary.json").read_text())
@@ -148,6 +156,7 @@ def test_summary_carries_predictions_and_the_bucket_advice(verify_run):
     assert "so sharding costs memory here" in advice[0]
 
 
+@pytest.mark.slow
 def test_in_fp32_ddp_deepspeed_and_fsdp2_follow_the_same_trajectory(tmp_path):
     # Same data, weights, dropout stream, AdamW and gradient clipping (DeepSpeed's default 1.0):
     # in fp32 only the order of floating-point additions differs. For FSDP2 this checks that the

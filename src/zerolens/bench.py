@@ -19,7 +19,7 @@ import torch
 from .config import RunConfig
 from .data import make_batch
 from .model import training_flops_per_token
-from .tables import GiB, markdown_table
+from .tables import SCHEMA_VERSION, GiB, markdown_table
 from .strategies import Strategy, registry
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
@@ -133,7 +133,8 @@ def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, de
         s[VS] = None if ref is None else {
             "step_time": s["step_time_s"] / ref["step_time_s"],
             "peak_bytes": s["peak_bytes"] / ref["peak_bytes"] if s["peak_bytes"] and ref["peak_bytes"] else None}
-    return {"device": config.device, "device_name": device_name, "world_size": config.nproc,
+    return {"schema_version": SCHEMA_VERSION, "device": config.device, "device_name": device_name,
+            "world_size": config.nproc,
             "precision": config.precision, "preset": config.preset, "model": config.to_json()["model"],
             "params": params, "micro_batch": config.micro_batch, "tokens_per_step": tokens_per_step,
             "warmup_steps": config.warmup_steps, "timed_steps": config.steps,

@@ -11,6 +11,7 @@ from pathlib import Path
 from . import report
 from .config import RunConfig, save_config
 from .launch import WorkersFailed, launch_local
+from .tables import SCHEMA_VERSION
 from .runfolder import default_run_folder, new_run_folder, results_path
 
 USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
@@ -36,7 +37,8 @@ def report_failure(out: Path, error: WorkersFailed, command: str) -> None:
     the ranks' logs."""
     print(f"zerolens: FAILED: {error}", file=sys.stderr)
     if out.is_dir():
-        report.write_json(out / "summary.json", {"verdict": "FAIL", "failure": str(error), "command": command})
+        report.write_json(out / "summary.json", {"schema_version": SCHEMA_VERSION, "verdict": "FAIL",
+                                                 "failure": str(error), "command": command})
         print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
               file=sys.stderr)
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .model import parameter_shapes
 from . import report
-from .tables import GiB, markdown_table
+from .tables import SCHEMA_VERSION, GiB, markdown_table
 from .runfolder import new_run_folder
 from .strategies import registry
 
@@ -93,7 +93,8 @@ def maxsize_summary(config, searches: dict[str, Search], command: str) -> dict:
     ref = strategies.get(registry.BENCH_REFERENCE)
     for s in strategies.values():
         s[VS] = s["params"] / ref["params"] if ref and ref["params"] else None
-    return {"command": command, "preset": config.preset, "width": config.model.d_model,
+    return {"schema_version": SCHEMA_VERSION, "command": command, "preset": config.preset,
+            "width": config.model.d_model,
             "micro_batch": config.micro_batch, "precision": config.precision, "world_size": config.nproc,
             "memory_limit_bytes": next((s.limit_bytes for s in searches.values() if s.limit_bytes), None),
             "strategies": strategies}

@@ -226,8 +226,8 @@ def terminal_lines(summary: dict, out: Path) -> list:
                             f"optimizer ({label})", f"peak ({label})", "vs base"], rows, right={2, 3, 4, 5, 6, 7})
     checks = summary["checks"]
     failed = [c for c in checks if not c["passed"]]
-    lines = ["", f"Memory per rank ({summary['precision']}): kept between steps (gradients: right after backward) "
-             f"and the peak; vs base: against {summary['baseline']}", table]
+    lines = ["", f"Memory per rank, {summary['precision']} (grads: right after backward; vs base: against "
+             f"{summary['baseline']})", table]
     lines += [f"- {note}" for note in summary.get("headline_notes", [])]
     lines.append(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
                  + (f"; {len(summary['notes'])} notes in report.md" if summary["notes"] else "") + ".")

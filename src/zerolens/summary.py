@@ -6,7 +6,7 @@ from statistics import median
 from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, loss_matches, peak_check, prediction_check,
                      zero_gradient_checks)
 from .config import RunConfig
-from .tables import MiB
+from .tables import SCHEMA_VERSION, MiB
 from .strategies import registry
 from .theory import ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
 
@@ -137,6 +137,7 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         notes.append("fp16 dynamic loss scaling skipped steps that overflowed (strategy: steps): "
                      + ", ".join(f"{n}: {k}" for n, k in skipped.items()))
     return {
+        "schema_version": SCHEMA_VERSION,
         "verdict": "PASS" if all(c["passed"] for c in checks) else "FAIL",
         "world_size": config.nproc, "device": config.device, "precision": config.precision,
         "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),

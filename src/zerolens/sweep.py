@@ -8,7 +8,7 @@ import sys
 from itertools import groupby
 
 from .checks import check, loss_matches
-from .tables import markdown_table, mib
+from .tables import SCHEMA_VERSION, markdown_table, mib
 from .strategies import registry
 from .theory import deepspeed_layout
 
@@ -232,7 +232,8 @@ def run_sweep(points: list, out, command: str) -> int:
     passed = not failed and all(p["verdict"] == "PASS" for p in done) and all(c["passed"] for c in checks)
     verdict = "PASS" if passed else "FAIL"
     text = render_sweep(done, command=command, failed=failed, rows=rows, notes=notes, verdict=verdict)
-    report.write_json(out / "sweep.json", {"verdict": verdict, "points": done, "failed": failed,
+    report.write_json(out / "sweep.json", {"schema_version": SCHEMA_VERSION, "verdict": verdict, "points": done,
+                                           "failed": failed,
                                            "across_n_checks": checks, "notes": notes})
     report.write_atomic(out / "sweep.md", text)
     try:

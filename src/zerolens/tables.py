@@ -11,6 +11,9 @@ import sys
 MiB = 1024 ** 2
 GiB = 1024 ** 3
 WIDTH = 100  # the terminal's width for everything zerolens prints
+# The version of the files people parse (summary.json, bench.json, sweep.json, maxsize.json; keys and
+# units in docs/formats.md). A change of meaning bumps it.
+SCHEMA_VERSION = 1
 
 
 def mib(n: int | None) -> str:
