@@ -153,11 +153,13 @@ def run_maxsize(config, out: Path, command: str) -> int:
         except WorkersFailed as e:
             print(f"zerolens: FAILED: {e}", file=sys.stderr)
             # What the strategies before it found is kept.
-            report.write_json(out / "maxsize.json", maxsize_summary(config, results, command) | {"failure": f"{name}: {e}"})
+            report.write_json(out / "maxsize.json",
+                              maxsize_summary(config, results, command) | {"failure": f"{name}: {e}"})
             return 1
     summary = maxsize_summary(config, results, command=command)
     report.write_json(out / "maxsize.json", summary)
     text = render_maxsize(summary)
     report.write_atomic(out / "maxsize.md", text)
-    print("\n" + text)
+    from .tables import console
+    console().print("\n" + text)
     return 0

@@ -30,33 +30,78 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+# What is alive at a peak, grouped as the peak replay names it (peaks.py), the reduce bucket among the
+# backend transients.
+PEAK_GROUPS = (("param", "parameters"), ("grad", "gradients"), ("optimizer_state", "optimizer states"),
+               ("comm_buffer", "comm buffers"), ("activation", "activations saved"),
+               (("deepspeed_transient", "fsdp_transient"), "backend temporaries (reduce buckets, gathers)"),
+               (("optimizer_transient", "autograd_transient", "forward_transient"), "other temporaries"),
+               (("workspace_and_earlier", "unattributed", "allocator_slack"), "workspaces, rounding, unnamed"))
+
+
+def peak_components(rank: dict) -> tuple[str, dict] | None:
+    """The phase of the rank's highest peak on the last step and bytes per PEAK_GROUPS label (CUDA)."""
+    anatomy = rank.get("peak_anatomy")
+    if not anatomy:
+        return None
+    phase, top = max(anatomy.items(), key=lambda kv: kv[1]["allocator_peak"])
+    parts = top["components"]
+    return phase, {label: sum(parts.get(k, 0) for k in ((keys,) if isinstance(keys, str) else keys))
+                   for keys, label in PEAK_GROUPS}
+
+
 def memory_plot(summary: dict, path: Path) -> Path:
-    """Stacked per-component memory of every rank under every strategy, with the peak beside it."""
+    """Left: per strategy and rank, what is kept between steps by component, beside what is alive
+    at the rank's highest peak (CUDA: by component, from the peak replay; CPU: the tensor tracker's
+    total). Right: the gradients each rank holds after backward as a share of the baseline's,
+    against 1/N."""
     plt = _pyplot()
-    bars = [(f"{name}\nrank {r['rank']}", r) for name, s in summary["strategies"].items() for r in s["ranks"]]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(bars) + 2), 4.5))
-    x = range(len(bars))
+    n = summary["world_size"]
+    bars = [(name, r) for name, s in summary["strategies"].items() for r in s["ranks"]]
+    base = summary["strategies"][summary["baseline"]]["ranks"]
+    fig, (kept_ax, share_ax) = plt.subplots(1, 2, figsize=(max(9, 1.3 * len(bars) + 5), 4.8),
+                                            gridspec_kw={"width_ratios": [3, 1.4]})
+    colors = plt.get_cmap("tab10").colors
+    width, x = 0.38, range(len(bars))
     bottom = [0.0] * len(bars)
-    for key, label in COMPONENTS:
+    for i, (key, label) in enumerate(COMPONENTS[:4]):
         heights = [r[key] / MiB for _, r in bars]
-        ax.bar(x, heights, bottom=bottom, label=label)
+        kept_ax.bar([k - width / 2 for k in x], heights, width, bottom=bottom, color=colors[i], label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    peaks = [r["peak_bytes"] / MiB if r["peak_bytes"] is not None else None for _, r in bars]
-    if any(p is not None for p in peaks):
-        ax.scatter([i for i, p in zip(x, peaks) if p is not None], [p for p in peaks if p is not None],
-                   marker="_", s=400, color="black", label="peak", zorder=3)
-    ax.set_xticks(list(x), [b for b, _ in bars], fontsize=8)
-    ax.set_ylabel("MiB per rank")
-    ax.set_title(f"Memory per rank by component, {summary['world_size']} ranks, {summary['precision']}")
-    ax.legend(fontsize=8)
+    anatomies = [peak_components(r) for _, r in bars]
+    if any(anatomies):
+        bottom = [0.0] * len(bars)
+        for i, (_, label) in enumerate(PEAK_GROUPS):
+            heights = [a[1][label] / MiB if a else 0 for a in anatomies]
+            kept_ax.bar([k + width / 2 for k in x], heights, width, bottom=bottom, color=colors[i % 10],
+                        hatch="//", edgecolor="white", label=None if i < 4 else f"at peak: {label}")
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ticks = [f"{name}\nr{r['rank']}\nkept | {a[0] if a else '-'}" for (name, r), a in zip(bars, anatomies)]
+    else:
+        peaks = [r["peak_bytes"] / MiB if r["peak_bytes"] is not None else 0 for _, r in bars]
+        kept_ax.bar([k + width / 2 for k in x], peaks, width, color="0.6", label="peak (tensor tracker, total)")
+        ticks = [f"{name}\nr{r['rank']}\nkept | peak" for name, r in bars]
+    kept_ax.set_xticks(list(x), ticks, fontsize=7)
+    kept_ax.set_ylabel("MiB per rank")
+    kept_ax.set_title(f"Kept between steps, and alive at the peak ({n} ranks, {summary['precision']})", fontsize=10)
+    kept_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    shares = [r["grad_bytes_after_backward"] / base[r["rank"]]["grad_bytes_after_backward"] for _, r in bars]
+    share_ax.bar(list(x), shares, color=colors[1])
+    share_ax.axhline(1 / n, color="black", linestyle="--", linewidth=1, label=f"1/N = {1 / n:.3f}")
+    share_ax.set_xticks(list(x), [f"{name}\nr{r['rank']}" for name, r in bars], fontsize=7)
+    share_ax.set_ylabel(f"gradient bytes / {summary['baseline']}'s")
+    share_ax.set_title("Gradients held after backward", fontsize=10)
+    share_ax.legend(fontsize=7)
     return _save(fig, path)
 
 
 def loss_plot(strategy_losses: dict[str, list[float]], path: Path, title: str) -> Path:
+    from matplotlib.ticker import MaxNLocator
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, losses in strategy_losses.items():
         ax.plot(range(len(losses)), losses, label=name, linewidth=1.2)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.set_xlabel("step")
     ax.set_ylabel("loss (global batch)")
     ax.set_title(title)
@@ -186,21 +231,26 @@ def step_time_plot(points: list[dict], path: Path) -> Path:
 
 
 def bench_plot(summary: dict, path: Path) -> Path:
-    """Step time and peak memory per rank of each strategy, side by side."""
+    """Step time of each strategy, and on CUDA its peak memory per rank beside it (on CPU bench has no
+    allocator to read, so no panel)."""
     plt = _pyplot()
     names = list(summary["strategies"])
-    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(names) + 4), 4))
+    peaks = [summary["strategies"][n]["peak_bytes"] for n in names]
+    with_memory = summary["device"] == "cuda"
+    fig, axes = plt.subplots(1, 2 if with_memory else 1, figsize=((max(8, 1.6 * len(names) + 4)) if with_memory
+                                                                 else max(5, 1.2 * len(names) + 2), 4))
+    time_ax = axes[0] if with_memory else axes
     time_ax.bar(names, [summary["strategies"][n]["step_time_s"] * 1e3 for n in names])
     time_ax.set_ylabel("median step time (ms)")
     time_ax.set_title(f"Step time, {summary['preset']}, {summary['world_size']} ranks")
-    peaks = [summary["strategies"][n]["peak_bytes"] for n in names]
-    if None not in peaks:
-        memory_ax.bar(names, [p / 2**30 for p in peaks], color="tab:orange")
-        memory_ax.set_ylabel("peak allocated per rank (GiB, largest rank)")
-        memory_ax.set_title("Peak memory")
-    else:
-        memory_ax.set_axis_off()
-        why = ("no allocator peak on CPU" if summary["device"] != "cuda" else
-               "peaks not reported: earlier strategies' memory\nwas still allocated (see bench.md)")
-        memory_ax.text(0.5, 0.5, why, ha="center", va="center")
+    if with_memory:
+        memory_ax = axes[1]
+        if None not in peaks:
+            memory_ax.bar(names, [p / 2**30 for p in peaks], color="tab:orange")
+            memory_ax.set_ylabel("peak allocated per rank (GiB, largest rank)")
+            memory_ax.set_title("Peak memory")
+        else:
+            memory_ax.set_axis_off()
+            memory_ax.text(0.5, 0.5, "peaks not reported: earlier strategies' memory\nwas still allocated "
+                           "(see bench.md)", ha="center", va="center")
     return _save(fig, path)
