@@ -6,7 +6,8 @@ import pytest
 
 from conftest import zerolens
 from zerolens.model import PRESETS, build_model
-from zerolens.sweep import across_n, across_n_checks, expected_share, series
+from zerolens.strategies import spec
+from zerolens.sweep import across_n, across_n_checks, series
 from zerolens.strategies.registry import predict_retained
 
 
@@ -75,8 +76,8 @@ def test_losses_are_not_compared_when_the_global_batch_changes_with_n():
 
 
 def test_whole_gradient_strategies_expect_the_whole_at_every_n():
-    assert expected_share("ddp", 4) == expected_share("zero0", 4) == 1.0
-    assert expected_share("zero1", 4) == expected_share("fsdp2", 4) == 0.25
+    assert spec("ddp").gradient_share(4) == spec("zero0").gradient_share(4) == 1.0
+    assert spec("zero1").gradient_share(4) == spec("fsdp2").gradient_share(4) == 0.25
 
 
 def test_series_groups_by_model_and_bucket_and_compares_with_the_smallest_n():

@@ -120,7 +120,7 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
     losses at every N; peak against the reduce bucket size and against the model's size where the
     sweep varies them; stacked components and step time of every point."""
     plt = _pyplot()
-    from .sweep import expected_share
+    from .strategies import registry
     paths = []
     strategies = list(points[0]["strategies"])
     buckets = sorted({p["reduce_bucket_size"] for p in points})
@@ -136,7 +136,7 @@ def sweep_plots(points: list[dict], out: Path) -> list[Path]:
         for s in strategies:
             line, = ax.plot(ns, [_mib_or_nan(p["strategies"][s][key]) for p in by_n], marker="o", label=s)
             if key == "grad_bytes_after_backward":  # what an exact 1/N (or whole) split would hold
-                ax.plot(ns, [p["strategies"][s]["unsharded_grad_bytes"] * expected_share(s, p["world_size"]) / MiB
+                ax.plot(ns, [p["strategies"][s]["unsharded_grad_bytes"] * registry.spec(s).gradient_share(p["world_size"]) / MiB
                              for p in by_n], linestyle="--", color=line.get_color(), linewidth=0.9)
         ax.set_xlabel("ranks N")
         ax.set_xticks(ns)

@@ -55,11 +55,6 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
             "folder": folder, "strategies": strategies}
 
 
-def expected_share(strategy: str, world_size: int) -> float:
-    """The fraction of the unsharded gradient bytes a rank keeps, before padding."""
-    return 1 / world_size if registry.spec(strategy).shards_gradients else 1.0
-
-
 def series(points: list[dict]) -> list[list[dict]]:
     """The points grouped by (model, bucket size), each group ordered by N: the series the
     across-N checks compare."""
@@ -107,7 +102,7 @@ def gradient_check(where: str, name: str, point: dict, unsharded: tuple[int, str
     and FSDP2's shards); for DDP and ZeRO-0, the unsharded bytes."""
     s, n = point["strategies"][name], point["world_size"]
     unsharded_bytes, source = unsharded
-    share = expected_share(name, n)
+    share = registry.spec(name).gradient_share(n)
     ideal = unsharded_bytes * share
     predicted = s["predicted_grad_bytes_after_backward"]
     held = s["grad_bytes_after_backward"]

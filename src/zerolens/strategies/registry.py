@@ -47,6 +47,10 @@ class StrategySpec:
         strategy.name = self.name
         return strategy
 
+    def gradient_share(self, world_size: int) -> float:
+        """The fraction of the unsharded gradient bytes a rank keeps after backward, before padding."""
+        return 1 / world_size if self.shards_gradients else 1.0
+
     def reduce_bucket_bytes(self, precision: str, reduce_bucket_size: int) -> int:
         """The reduce bucket allocated on every backward (0 where none, or where it is kept)."""
         return ELEMENT_BYTES[precision] * reduce_bucket_size if self.reduce_bucket == "every backward" else 0
