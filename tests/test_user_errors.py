@@ -16,16 +16,28 @@ from zerolens.cli import main
     (["--baseline", "ddp"], "--baseline ddp is not among --strategies"),
     (["--steps", "x"], "invalid int value"),
 ])
-def test_user_error_is_one_line_and_exit_2(args, message, tmp_path):
+def test_user_error_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+    """In-process: nothing is launched for these."""
     if "--device" in args and "cuda" in args:
         import torch
         if torch.cuda.device_count() >= 2:
             pytest.skip("this machine has the GPUs")
-    result = zerolens("verify", *args, "--out", str(tmp_path / "run"), timeout=60)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "Traceback" not in result.stderr
+    try:
+        code = main(["verify", *args, "--out", str(tmp_path / "run")])
+    except SystemExit as e:  # argparse's own errors end the process, as on the command line
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_user_error_in_a_real_process_is_exactly_one_line(tmp_path):
+    """The same through the command itself: no warning of an imported library adds a line."""
+    result = zerolens("verify", "--strategies", "zero2,zero4", "--out", str(tmp_path / "run"), timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == ["zerolens: unknown strategy 'zero4'; choose from "
+                                                  "ddp, zero0, zero1, zero2, zero3, fsdp2-grad, fsdp2"]
     assert not (tmp_path / "run").exists()
 
 
