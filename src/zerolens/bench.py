@@ -5,22 +5,18 @@ Each strategy trains `warmup + steps` steps; the timed ones are synchronised (th
 drained before and after each), a step's time is the slowest rank's, and the figure is the median
 over the timed steps. Peak memory is the CUDA allocator's peak over every step, warm-up included
 (the optimizer's states appear in the first). The steps run in the one training loop (train.py)
-with a probe of bench's own (StepTimer), kept apart from
-the summary (`bench_summary`) and its presentation (`render_bench`).
+with a probe that only times them (measure.StepTimer); this module holds the summary
+(`bench_summary`) and its presentation (`render_bench`).
 """
 from __future__ import annotations
 
-import contextlib
-import time
 from statistics import median
-
-import torch
 
 from .config import RunConfig
 from .data import make_batch
 from .model import training_flops_per_token
 from .tables import SCHEMA_VERSION, GiB, markdown_table
-from .strategies import Strategy, registry
+from .strategies import registry
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
 # reports. PCIe and NVL parts are slower than SXM: an unknown name gets no MFU (use --peak-tflops).
@@ -40,54 +36,6 @@ VS = f"vs_{REFERENCE}"
 
 def datasheet_peak(device_name: str, precision: str) -> float | None:
     return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
-
-
-class StepTimer:
-    """bench's probe for the training loop (train.train): each step timed between two synchronisations
-    (the GPU's queue drained before and after), the allocator's peak after setup and over the steps.
-    It measures nothing else, so the steps run as they would without zerolens."""
-
-    def __init__(self, device: torch.device, warmup_steps: int):
-        self.device, self.warmup_steps = device, warmup_steps
-        self.cuda = device.type == "cuda"
-
-    def label(self, strategy: Strategy, steps_done: int) -> str:
-        return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
-
-    def before_setup(self, run) -> None:
-        # Under zerolens's launcher nothing of an earlier strategy is allocated here: one that leaves
-        # memory behind ends its launch (worker.run_strategies). Under another launcher it can be.
-        run.measured["allocated_at_start_bytes"] = torch.cuda.memory_allocated() if self.cuda else None
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-
-    def after_setup(self, run) -> None:
-        run.measured["setup_peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-
-    @contextlib.contextmanager
-    def step(self, strategy: Strategy, record: dict, last: bool):
-        synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        synchronize(self.device)
-        record["seconds"] = time.perf_counter() - start
-
-    def phase(self, name: str, strategy: Strategy, record: dict, last: bool, loss=None):
-        return contextlib.nullcontext()
-
-    def after_last_step(self, strategy: Strategy, record: dict, run) -> None:
-        pass
-
-    def finished(self, run) -> None:
-        # The peak over every step, warm-up included (the optimizer's states appear in the first).
-        run.measured["peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, device_name: str,

@@ -27,6 +27,9 @@ class WorkersFailed(RuntimeError):
     pass
 
 
+OUT_OF_MEMORY = "ran out of GPU memory"  # a rank's message (worker.py); what `zerolens maxsize` looks for
+
+
 def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, logs: Path | None = None,
                  timeout: float | None = None, backend: str = "gloo") -> None:
     """Runs `python -m zerolens.worker *worker_args` on `nproc` local ranks; raises WorkersFailed.

@@ -127,8 +127,7 @@ def run_maxsize(config, out: Path, command: str) -> int:
     """The search for every strategy of `config` (checked, on GPUs), its trials in out/trials/;
     maxsize.json, maxsize.md, and the exit code."""
     from .jobs import run_job
-    from .launch import WorkersFailed
-    from .worker import OUT_OF_MEMORY
+    from .launch import OUT_OF_MEMORY, WorkersFailed
     results, limit = {}, {}
     for name in config.strategies:
         def trial(depth: int, name=name) -> int | None:

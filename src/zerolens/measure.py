@@ -12,6 +12,7 @@ Two independent views:
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 import torch
@@ -97,7 +98,6 @@ class MemoryProbe:
         run.measured["allocated_at_start"] = self.allocated()
         run.measured["leftover_sources"] = {}
         if self.earlier_left:
-            from .train import still_referenced_wrappers
             run.measured["leftover_sources"] = self.live_block_sources() | {
                 f"still referenced: {k}": 0 for k in still_referenced_wrappers()}
             self.leftover_blocks = self.live_block_sizes()
@@ -294,3 +294,60 @@ def reset_tracker_peak(tracker) -> None:
     current = tracker.get_tracker_snapshot("current")
     tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
     tracker._peak_mem_snap = current
+
+
+def still_referenced_wrappers() -> list[str]:
+    """Diagnosis for memory an earlier strategy left allocated: the data-parallel wrappers still
+    alive after their strategy's teardown, and the types of what refers to them."""
+    alive = [o for o in gc.get_objects() if isinstance(o, torch.nn.parallel.DistributedDataParallel)]
+    return ["DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
+                                                               if r is not alive}))
+            for o in alive]
+
+
+class StepTimer:
+    """bench's probe for the training loop (train.train): each step timed between two synchronisations
+    (the GPU's queue drained before and after), the allocator's peak after setup and over the steps.
+    It measures nothing else, so the steps run as they would without zerolens."""
+
+    def __init__(self, device: torch.device, warmup_steps: int):
+        self.device, self.warmup_steps = device, warmup_steps
+        self.cuda = device.type == "cuda"
+
+    def label(self, strategy: Strategy, steps_done: int) -> str:
+        return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
+
+    def before_setup(self, run) -> None:
+        # Under zerolens's launcher nothing of an earlier strategy is allocated here: one that leaves
+        # memory behind ends its launch (worker.run_strategies). Under another launcher it can be.
+        run.measured["allocated_at_start_bytes"] = torch.cuda.memory_allocated() if self.cuda else None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def after_setup(self, run) -> None:
+        run.measured["setup_peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def step(self, strategy: Strategy, record: dict, last: bool):
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        record["seconds"] = time.perf_counter() - start
+
+    def phase(self, name: str, strategy: Strategy, record: dict, last: bool, loss=None):
+        return contextlib.nullcontext()
+
+    def after_last_step(self, strategy: Strategy, record: dict, run) -> None:
+        pass
+
+    def finished(self, run) -> None:
+        # The peak over every step, warm-up included (the optimizer's states appear in the first).
+        run.measured["peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()

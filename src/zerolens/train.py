@@ -97,17 +97,16 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
             if last:
                 phase.at(name="measuring the last step")
                 probe.after_last_step(strategy, record, run)
-            losses.append(loss.detach().float())
+            losses.append(loss.item())  # a float: no tensor of the loop's outlives its step
             run.records.append(record)
             if bar is not None:
                 bar.advance(probe.label(strategy, step + 1))
     run.seconds = time.perf_counter() - start
     # One all-reduce for every step's loss: equal micro-batches, so their mean is the global-batch loss.
     phase.at(step=-1, name="loss all-reduce")
-    local = torch.stack(losses)
-    total = local.clone()
+    total = torch.tensor(losses, dtype=torch.float32, device=device)
     dist.all_reduce(total)
-    for record, mine, mean in zip(run.records, local.tolist(), (total / world_size).tolist()):
+    for record, mine, mean in zip(run.records, losses, (total / world_size).tolist()):
         record["local_loss"], record["loss"] = mine, mean
     run.losses = [r["loss"] for r in run.records]
     run.notes = strategy.notes()  # after the steps: some notes are about what a step did
@@ -115,18 +114,9 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
     phase.at(name="teardown")
     # The last loss's graph reaches the parameters, and through DeepSpeed's hooks the whole
     # optimizer: drop it before collecting, or this strategy's memory outlives it.
-    del loss, losses, local, total
+    del loss, total
     strategy.teardown()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return run
-
-
-def still_referenced_wrappers() -> list[str]:
-    """Diagnosis for memory an earlier strategy left allocated: the data-parallel wrappers still
-    alive after their strategy's teardown, and the types of what refers to them."""
-    alive = [o for o in gc.get_objects() if isinstance(o, torch.nn.parallel.DistributedDataParallel)]
-    return ["DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
-                                                               if r is not alive}))
-            for o in alive]

@@ -32,9 +32,9 @@ from . import report
 from .config import (RunConfig, UserError, add_bench_arguments, add_verify_arguments, config_from_args, load_config,
                      save_config)
 from .faults import fault_from_environment, leaked_bytes
-from .bench import StepTimer
+from .launch import OUT_OF_MEMORY
 from .data import rank_batches
-from .measure import MemoryProbe, clear_cublas_workspaces
+from .measure import MemoryProbe, StepTimer, clear_cublas_workspaces
 from .model import parameter_shapes
 from .runfolder import default_run_folder, is_run_folder, new_run_folder, results_path
 from .strategies import make_strategy, registry
@@ -129,9 +129,6 @@ def stop_watching(stack_file) -> None:
     path = Path(stack_file.name)
     if path.stat().st_size == 0:
         path.unlink()
-
-
-OUT_OF_MEMORY = "ran out of GPU memory"  # what `zerolens maxsize` looks for in a failed trial
 
 
 def out_of_memory_message(rank: int, phase: Phase, error: Exception) -> str:
