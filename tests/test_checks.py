@@ -64,7 +64,7 @@ def test_metrics_complete_reads_every_ranks_own_file(tmp_path):
 def test_the_peak_check_says_how_much_was_named_only_by_allocating_code():
     from zerolens.checks import peak_check
     from zerolens.peaks import PEAK_COMPONENTS
-    parts = dict.fromkeys(PEAK_COMPONENTS, 0) | {"param": 600, "activation": 200, "deepspeed_transient": 150,
+    parts = dict.fromkeys(PEAK_COMPONENTS, 0) | {"param": 600, "activation": 200, "backend_transient": 150,
                                                  "autograd_transient": 40, "unattributed": 6, "allocator_slack": 4}
     result = peak_check("zero2", 0, "backward", {"components": parts, "allocator_peak": 1000})
     assert result["passed"]

@@ -1,5 +1,6 @@
 """The peak anatomy's replay and naming, on hand-made allocator snapshots (no GPU needed)."""
 from zerolens.peaks import live_block_sources, peak_anatomy, replay_to_peak
+from zerolens.strategies import registry
 
 DS = [{"filename": "/x/site-packages/deepspeed/runtime/zero/stage_1_and_2.py", "line": 1, "name": "backward"}]
 ADAM = [{"filename": "/x/site-packages/torch/optim/adam.py", "line": 1, "name": "_multi_tensor_adam"}] + DS
@@ -15,9 +16,10 @@ def segment(address, blocks):
     return {"device": 0, "address": address, "blocks": blocks}
 
 
-def anatomy_of(segments, events, phase="backward", at_start=None, during=(), at_end=None, known=0, allocator_peak=None):
+def anatomy_of(segments, events, phase="backward", at_start=None, during=(), at_end=None, known=0, allocator_peak=None,
+               strategy="zero2"):
     return peak_anatomy(segments, events, phase, at_start=at_start or {}, during=list(during), at_end=at_end or {},
-                        known_preexisting_bytes=known,
+                        known_preexisting_bytes=known, backend_code=registry.spec(strategy).transient_code,
                         allocator_peak=replay_to_peak(segments, events)[1] if allocator_peak is None else allocator_peak)
 
 
@@ -45,10 +47,10 @@ def test_replay_finds_the_peak_and_who_was_alive():
     anatomy = anatomy_of(segments, events, at_start={0: "param"}, known=1000, allocator_peak=peak + 24)
     parts = anatomy["components"]
     assert parts["param"] == 512 and parts["workspace_and_earlier"] == 1000
-    assert parts["deepspeed_transient"] == 4096 and parts["autograd_transient"] == 1024
+    assert parts["backend_transient"] == 4096 and parts["autograd_transient"] == 1024
     assert parts["unattributed"] == 0 and parts["allocator_slack"] == 24
     assert sum(parts.values()) == anatomy["allocator_peak"]
-    assert anatomy["largest_transients"] == {"deepspeed_transient: stage_1_and_2.py:backward": 4096,
+    assert anatomy["largest_transients"] == {"backend_transient: stage_1_and_2.py:backward": 4096,
                                              "autograd_transient: (no Python frame)": 1024}
 
 
@@ -91,13 +93,23 @@ def test_temporaries_are_named_by_the_innermost_known_code():
     assert parts["unattributed"] == 512  # model code allocating during the step: not expected
 
 
-def test_fsdp_buffers_are_fsdp_transients_named_by_fsdp_code():
+def test_fsdp_buffers_are_backend_transients_named_by_fsdp_code():
     # An all-gather output allocated by FSDP2's pre-forward hook, inside the model's forward.
     segments = [segment(0, [{"size": 2048, "requested_size": 2048, "state": "active_allocated"}])]
     events = [{"action": "alloc", "addr": 0, "size": 2048, "frames": FSDP_GATHER}]
-    anatomy = anatomy_of(segments, events, "forward")
-    assert anatomy["components"]["fsdp_transient"] == 2048 and anatomy["components"]["forward_transient"] == 0
-    assert anatomy["largest_transients"] == {"fsdp_transient: _fsdp_collectives.py:foreach_all_gather": 2048}
+    anatomy = anatomy_of(segments, events, "forward", strategy="fsdp2")
+    assert anatomy["components"]["backend_transient"] == 2048 and anatomy["components"]["forward_transient"] == 0
+    assert anatomy["largest_transients"] == {"backend_transient: _fsdp_collectives.py:foreach_all_gather": 2048}
+
+
+def test_a_backends_temporaries_are_recognised_by_its_registry_entry_only():
+    # The same DeepSpeed allocation in a run of FSDP2 is not FSDP2's temporary: outside torch, in
+    # backward, it is unattributed (and fails the peak check if large), never silently the backend's.
+    segments = [segment(0, [{"size": 4096, "requested_size": 4096, "state": "active_allocated"}])]
+    events = [{"action": "alloc", "addr": 0, "size": 4096, "frames": DS}]
+    assert anatomy_of(segments, events, strategy="zero2")["components"]["backend_transient"] == 4096
+    parts = anatomy_of(segments, events, strategy="fsdp2")["components"]
+    assert parts["backend_transient"] == 0 and parts["unattributed"] == 4096
 
 
 def test_a_reused_address_is_replayed_in_order():

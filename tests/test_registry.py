@@ -52,3 +52,15 @@ def test_no_module_outside_the_package_names_a_strategy():
     found = [f"{p.name}:{i}" for p in outside for i, line in enumerate(p.read_text().splitlines(), 1)
              if pattern.search(line)]
     assert not found, found
+
+
+@pytest.mark.parametrize("plugins, message", [
+    ("no_such_zerolens_plugin", "ZEROLENS_PLUGINS: cannot load no_such_zerolens_plugin: ModuleNotFoundError"),
+    ("zerolens_test_strategy,zerolens_test_strategy_clash",
+     "ZEROLENS_PLUGINS: cannot load zerolens_test_strategy_clash: ValueError: strategy 'ddp' is registered already"),
+])
+def test_a_plugin_that_cannot_load_is_one_line_and_exit_2(plugins, message, tmp_path):
+    result = zerolens("estimate", timeout=60, env={**PLUGIN, "ZEROLENS_PLUGINS": plugins})
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"zerolens: {message}"), result.stderr

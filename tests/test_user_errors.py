@@ -93,6 +93,11 @@ def test_bad_timeout_and_fault_variable(tmp_path):
     (["estimate", "--params", "inf"], "--params must be a positive, finite parameter count, got inf"),
     (["estimate", "--params", "nan"], "--params must be a positive, finite parameter count, got nan"),
     (["estimate", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be at least 1 element"),
+    (["verify", "--reduce-bucket-size", "inf"], "--reduce-bucket-size must be a number of elements, got inf"),
+    (["sweep", "--reduce-bucket-sizes", "1e6,inf"], "--reduce-bucket-sizes takes finite numbers"),
+    (["sweep", "--reduce-bucket-size", "inf"], "--reduce-bucket-size takes finite numbers"),
+    (["verify", "--global-batch", "0"], "--global-batch must be at least 1, got 0"),
+    (["bench", "--steps", "0"], "--steps (timed steps) must be at least 1, got 0"),
 ])
 def test_every_setting_is_checked_before_any_worker_starts(argv, message, tmp_path, capsys):
     """In-process: these end before anything is launched or written."""

@@ -171,12 +171,11 @@ def allocator_check(name: str, rank: dict) -> dict:
 PEAK_UNEXPLAINED_TOLERANCE = 0.05
 # How each component of a peak is known (peaks.py): by the address of a tensor the census or a
 # saved-tensor hook holds; by a measurement made elsewhere (cuBLAS workspaces, earlier leftovers);
-# or only by the code that allocated the block (catch-alls such as "any DeepSpeed frame" or "a
-# backward allocation with no Python frame").
+# or only by the code that allocated the block (catch-alls such as "any frame in the backend's files"
+# or "a backward allocation with no Python frame").
 BY_TENSOR = ("param", "grad", "optimizer_state", "comm_buffer", "activation")
 BY_MEASUREMENT = ("workspace_and_earlier",)
-BY_ALLOCATING_CODE = ("deepspeed_transient", "fsdp_transient", "optimizer_transient", "autograd_transient",
-                      "forward_transient")
+BY_ALLOCATING_CODE = ("backend_transient", "optimizer_transient", "autograd_transient", "forward_transient")
 
 
 def peak_check(name: str, rank: int, phase: str, anatomy: dict) -> dict:

@@ -51,8 +51,6 @@ def bench_parser(subparsers) -> None:
 def bench_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.baseline is not None:
         raise UserError(f"bench compares every strategy with {registry.BENCH_REFERENCE}; --baseline is for verify")
-    if args.steps < 1:
-        raise UserError(f"--steps (timed steps) must be at least 1, got {args.steps}")
     config = config_from_args(args)
     return 0 if run_in_new_folder(config, shlex.join(["zerolens", *argv]), args.overwrite) is not None else 1
 
@@ -92,8 +90,8 @@ def sweep_parser(subparsers) -> None:
 def int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(float(v)) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UserError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    except (ValueError, OverflowError):  # OverflowError: "inf"
+        raise UserError(f"{flag} takes finite numbers (comma-separated for several), got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise UserError(f"{flag} needs positive values, got {text!r}")
     return values
@@ -104,8 +102,8 @@ def sweep_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc is not None:
         raise UserError("sweep takes its world sizes from --nproc-list, not --nproc")
     ns = int_list(args.nproc_list, "--nproc-list")
-    buckets = int_list(args.reduce_bucket_sizes, "--reduce-bucket-sizes") if args.reduce_bucket_sizes else \
-        [int(args.reduce_bucket_size)]
+    buckets = int_list(args.reduce_bucket_sizes or str(args.reduce_bucket_size), "--reduce-bucket-sizes"
+                       if args.reduce_bucket_sizes else "--reduce-bucket-size")
     if args.model and args.presets:
         raise UserError("--presets and --model: a sweep runs presets or your model, not both")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else [args.preset]
@@ -184,6 +182,11 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        registry.load_plugins()  # before the parser: its defaults and help name the strategies
+    except UserError as e:
+        print(f"zerolens: {e}", file=sys.stderr)
+        return 2
     parser = ArgumentParser(prog="zerolens", description="What data-parallel sharding does to training memory.")
     parser.add_argument("--version", action="version", version=f"zerolens {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)

@@ -91,6 +91,8 @@ class RunConfig:
             raise UserError(f"--peak-tflops must be positive, got {self.peak_tflops}")
         if self.job == "verify" and self.steps < 4:
             raise UserError(f"--steps must be at least 4 to tell whether the loss fell, got {self.steps}")
+        if self.job == "bench" and self.steps < 1:
+            raise UserError(f"--steps (timed steps) must be at least 1, got {self.steps}")
         if not self.lr > 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.gradient_clipping < 0:
@@ -440,6 +442,8 @@ def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
     """Samples per rank per step: --global-batch over the ranks, else --micro-batch."""
     if args.global_batch is None:
         return args.micro_batch
+    if args.global_batch < 1:
+        raise UserError(f"--global-batch must be at least 1, got {args.global_batch}")
     if args.global_batch % nproc:
         raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
     return args.global_batch // nproc

@@ -19,7 +19,7 @@ import torch
 
 from . import peaks
 from .census import MeasurementError, count, storage_bytes, storage_keys
-from .strategies import Strategy
+from .strategies import Strategy, registry
 
 
 class MemoryProbe:
@@ -138,8 +138,9 @@ class MemoryProbe:
             now = self.live_block_sizes() if self.leftover_blocks else {}
             record["leftover_bytes_at_end"] = sum(size for addr, size in self.leftover_blocks.items()
                                                   if now.get(addr) == size)
-            record["peak_anatomy"] = self.peak_anatomy(known_preexisting_bytes=(record["cublas_workspace_bytes"] or 0)
-                                                       + (run.measured["allocated_at_start"] or 0))
+            record["peak_anatomy"] = self.peak_anatomy(
+                known_preexisting_bytes=(record["cublas_workspace_bytes"] or 0) + (run.measured["allocated_at_start"] or 0),
+                backend_code=registry.spec(strategy.name).transient_code)
 
     def finished(self, run) -> None:
         pass
@@ -202,7 +203,7 @@ class MemoryProbe:
         self.activation_addresses = set()
         self.boundary_maps.append(held)
 
-    def peak_anatomy(self, known_preexisting_bytes: int) -> dict:
+    def peak_anatomy(self, known_preexisting_bytes: int, backend_code: tuple[str, ...]) -> dict:
         """CUDA, after the last step: every byte at each phase's peak, by component. Phase i runs
         from boundary map i to boundary map i + 1."""
         out = {}
@@ -210,7 +211,7 @@ class MemoryProbe:
             out[name] = peaks.peak_anatomy(
                 t["segments"], t["events"], name, at_start=self.boundary_maps[i], during=self.during_maps[name],
                 at_end=self.boundary_maps[i + 1], known_preexisting_bytes=known_preexisting_bytes,
-                allocator_peak=t["allocator_peak"])
+                allocator_peak=t["allocator_peak"], backend_code=backend_code)
         self.traces, self.during_maps, self.boundary_maps = {}, {}, []
         return out
 

@@ -10,10 +10,10 @@ replay its events to find the instant of the peak, and name each block alive at 
 - blocks alive before the phase and in no census: the cuBLAS workspaces and what earlier
   strategies left (both measured elsewhere, so the rest is unattributed);
 - blocks allocated during the phase and held by nothing above are temporaries, named by the code
-  that allocated them: DeepSpeed's (reduce buckets, gathered parameters, fp32 gradient copies),
-  FSDP2's (all-gather buffers and gathered parameters, reduce-scatter inputs and outputs), the
-  optimizer's, autograd's in backward (no Python frame: the gradients of activations), the
-  model's in forward.
+  that allocated them: the strategy's backend (its files are the registry's `transient_code`:
+  DeepSpeed's reduce buckets, gathered parameters and fp32 gradient copies; FSDP2's all-gather
+  buffers and reduce-scatter inputs and outputs), the optimizer's, autograd's in backward (no
+  Python frame: the gradients of activations), the model's in forward.
 
 The replay's peak must equal the allocator's own peak statistic: that checks the replay.
 Everything here but `record_phase` is a pure function of the snapshot, so it is tested on CPU.
@@ -24,11 +24,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 PEAK_COMPONENTS = ("param", "grad", "optimizer_state", "comm_buffer", "activation",
-                   "deepspeed_transient", "fsdp_transient", "optimizer_transient", "autograd_transient",
+                   "backend_transient", "optimizer_transient", "autograd_transient",
                    "forward_transient", "workspace_and_earlier", "unattributed", "allocator_slack")
-# Each Python frame's file decides who allocated a block, innermost frame first.
-DEEPSPEED_PATH = "/deepspeed/"
-FSDP_PATH = "/torch/distributed/fsdp/"
+# Each Python frame's file decides who allocated a block, innermost frame first; the backend's own
+# files come from the strategy's registry entry (`transient_code`).
 OPTIMIZER_PATHS = ("/torch/optim/", "/torch/nn/utils/clip_grad")
 MAX_ENTRIES = 2_000_000  # alloc/free events kept per phase; a phase of the 1B preset needs tens of thousands
 
@@ -94,26 +93,24 @@ def marker_positions(events: list[dict]) -> list[int]:
             if e["action"] == "alloc" and any(f["name"] == "trace_marker" for f in e.get("frames") or [])]
 
 
-def allocating_code(frames: list[dict]) -> str:
-    """file:function of the innermost frame outside torch's own modules (FSDP and the optimizer
-    count as outside), or of the innermost one."""
+def allocating_code(frames: list[dict], backend_code: tuple[str, ...] = ()) -> str:
+    """file:function of the innermost frame outside torch's own modules (the backend's and the
+    optimizer's count as outside), or of the innermost one."""
     for f in frames:
-        if "/torch/" not in f["filename"] or any(p in f["filename"] for p in (*OPTIMIZER_PATHS, FSDP_PATH)):
+        if "/torch/" not in f["filename"] or any(p in f["filename"] for p in (*OPTIMIZER_PATHS, *backend_code)):
             return f"{f['filename'].rsplit('/', 1)[-1]}:{f['name']}"
     return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['name']}" if frames else "(no Python frame)"
 
 
-def transient_kind(block: Block, phase: str) -> str:
-    """Who made a temporary: decided by the innermost frame that is the optimizer's, DeepSpeed's,
-    FSDP's or outside torch (the model's code)."""
+def transient_kind(block: Block, phase: str, backend_code: tuple[str, ...]) -> str:
+    """Who made a temporary: decided by the innermost frame that is the optimizer's, the backend's
+    (a file matching `backend_code`) or outside torch (the model's code)."""
     for f in block.frames:
         name = f["filename"]
         if any(p in name for p in OPTIMIZER_PATHS):
             return "optimizer_transient"
-        if DEEPSPEED_PATH in name:
-            return "deepspeed_transient"
-        if FSDP_PATH in name:
-            return "fsdp_transient"
+        if any(p in name for p in backend_code):
+            return "backend_transient"
         if "/torch/" not in name:
             return "forward_transient" if phase == "forward" else "unattributed"
     # Autograd runs backward in C++ with no Python frame; elsewhere such a block (made by a
@@ -122,7 +119,7 @@ def transient_kind(block: Block, phase: str) -> str:
 
 
 def classify(block: Block, addr: int, phase: str, at_start: dict[int, str], during: list[tuple[int, dict[int, str]]],
-             at_end: dict[int, str]) -> str:
+             at_end: dict[int, str], backend_code: tuple[str, ...]) -> str:
     """A component from an address map taken while this block was alive, else by who allocated it.
     A map taken at another moment could name a different tensor that reused the address."""
     if block.preexisting and addr in at_start:
@@ -134,14 +131,14 @@ def classify(block: Block, addr: int, phase: str, at_start: dict[int, str], duri
         return at_end[addr]
     if block.preexisting:
         return "workspace_and_earlier"
-    return transient_kind(block, phase)
+    return transient_kind(block, phase, backend_code)
 
 
 def peak_anatomy(segments: list[dict], events: list[dict], phase: str, *, at_start: dict[int, str],
                  during: list[dict[int, str]], at_end: dict[int, str], known_preexisting_bytes: int,
-                 allocator_peak: int) -> dict:
+                 allocator_peak: int, backend_code: tuple[str, ...]) -> dict:
     """Bytes per component at the phase's peak. `during` holds the maps taken at `trace_marker`
-    calls, in order. `known_preexisting_bytes` (cuBLAS workspaces and earlier strategies'
+    calls, in order; `backend_code` names the strategy's backend's files (its temporaries). `known_preexisting_bytes` (cuBLAS workspaces and earlier strategies'
     leftovers, measured elsewhere) is how much of `workspace_and_earlier` is explained; the excess
     moves to `unattributed`. What the allocator's own peak exceeds the replay by is its rounding
     of requested sizes (`allocator_slack`)."""
@@ -152,10 +149,10 @@ def peak_anatomy(segments: list[dict], events: list[dict], phase: str, *, at_sta
     components = dict.fromkeys(PEAK_COMPONENTS, 0)
     sources: dict[str, int] = {}
     for addr, block in live.items():
-        kind = classify(block, addr, phase, at_start, list(zip(positions, during)), at_end)
+        kind = classify(block, addr, phase, at_start, list(zip(positions, during)), at_end, backend_code)
         components[kind] += block.size
         if not block.preexisting and (kind.endswith("_transient") or kind == "unattributed"):
-            source = f"{kind}: {allocating_code(block.frames)}"
+            source = f"{kind}: {allocating_code(block.frames, backend_code)}"
             sources[source] = sources.get(source, 0) + block.size
     excess = components["workspace_and_earlier"] - known_preexisting_bytes
     if excess > 0:

@@ -34,7 +34,7 @@ def _save(fig, path: Path) -> Path:
 # backend transients.
 PEAK_GROUPS = (("param", "parameters"), ("grad", "gradients"), ("optimizer_state", "optimizer states"),
                ("comm_buffer", "comm buffers"), ("activation", "activations saved"),
-               (("deepspeed_transient", "fsdp_transient"), "backend temporaries (reduce buckets, gathers)"),
+               ("backend_transient", "backend temporaries (reduce buckets, gathers)"),
                (("optimizer_transient", "autograd_transient", "forward_transient"), "other temporaries"),
                (("workspace_and_earlier", "unattributed", "allocator_slack"), "workspaces, rounding, unnamed"))
 

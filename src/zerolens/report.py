@@ -96,7 +96,7 @@ workspaces nor earlier strategies' leftovers account for.
 
 PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimizer states",
                 "comm_buffer": "comm buffers", "activation": "activations saved",
-                "deepspeed_transient": "DeepSpeed transient", "fsdp_transient": "FSDP transient",
+                "backend_transient": "backend transient",
                 "optimizer_transient": "optimizer transient",
                 "autograd_transient": "autograd transient", "forward_transient": "forward transient",
                 "workspace_and_earlier": "cuBLAS workspace + earlier", "unattributed": "unattributed",
@@ -126,7 +126,8 @@ temporaries, by the code that allocated it. "cuBLAS workspace + earlier" is memo
 before the phase that no census holds, up to the measured workspaces and earlier strategies' \
 leftovers; beyond that it is unattributed. "allocator rounding": the allocator's peak less the \
 replayed one (block sizes are rounded up from requests). The transients are named only by the code \
-that allocated them (any DeepSpeed or FSDP frame, the optimizer's, a backward allocation with no \
+that allocated them (any frame in the backend's files: DeepSpeed's, FSDP's; the optimizer's; \
+a backward allocation with no \
 Python frame): "share named only by code" is their part of the peak; the rest is named by tensor \
 or measured.
 

@@ -13,7 +13,7 @@ GiB = 1024 ** 3
 WIDTH = 100  # the terminal's width for everything zerolens prints
 # The version of the files people parse (summary.json, bench.json, sweep.json, maxsize.json; keys and
 # units in docs/formats.md). A change of meaning bumps it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def mib(n: int | None) -> str:

@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     try:
+        registry.load_plugins()
         config = load_config(args.config) if args.config else config_from_args(args, world_size=world_size)
         if config.nproc != world_size:
             raise UserError(f"the config is for {config.nproc} ranks, the launcher started {world_size}")

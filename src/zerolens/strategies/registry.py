@@ -3,12 +3,12 @@
 A strategy is a backend (a Strategy subclass in ddp.py, deepspeed.py or fsdp2.py) with its options,
 plus what the rest of zerolens needs to know without running it: whether it needs DeepSpeed, which
 stage of the ZeRO paper its model states follow, whether it shards gradients, its layout prediction
-(theory.py), and the buffers it keeps or allocates. Adding a strategy is a backend (or new options
+(theory.py), the buffers it keeps or allocates, and how its temporaries are recognised. Adding a strategy is a backend (or new options
 for one) and one `register` call; nothing outside this package branches on a name.
 
 Importable without torch.distributed or DeepSpeed: backends are imported when a strategy is built.
-Modules named in ZEROLENS_PLUGINS (comma-separated, importable) are imported when this module loads,
-in the CLI and in every worker alike, so that their `register` calls reach both.
+Strategies from elsewhere come as plugin modules named in ZEROLENS_PLUGINS, which `load_plugins`
+imports; the CLI and every worker call it first, so both know the same strategies.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..errors import UserError
 from ..theory import (ELEMENT_BYTES, RETAINED_KEYS, DeepSpeedLayout, Layout, deepspeed_flat_partition_layout,
                       deepspeed_stage0_layout, deepspeed_stage3_layout, fsdp2_layout, torch_ddp_layout)
 
@@ -37,6 +38,9 @@ class StrategySpec:
     flat_partition: bool = False  # ZeRO-1/2: one flat buffer cut in N equal slices (exact element checks)
     reduce_bucket: str | None = None  # "every backward" (allocated and freed) | "whole run" (kept) | None
     keeps_small_params_whole: bool = False  # ZeRO-3's param_persistence_threshold
+    # How its temporaries are recognised in the CUDA peak replay (peaks.py): path fragments of the
+    # files whose allocations are the backend's own (reduce buckets, gathered parameters, ...).
+    transient_code: tuple[str, ...] = ()
     layout: Callable[[Layout], dict]  # retained bytes per component (theory.py)
     unpadded: Unpadded
 
@@ -110,33 +114,37 @@ def default_baseline(strategies: tuple[str, ...]) -> str:
 DDP = "zerolens.strategies.ddp:TorchDDP"
 DEEPSPEED = "zerolens.strategies.deepspeed:DeepSpeedZero"
 FSDP2 = "zerolens.strategies.fsdp2:TorchFSDP2"
+DDP_CODE = ("/torch/nn/parallel/",)  # its reducer is C++: its buckets are made at set-up and held (census)
+DEEPSPEED_CODE = ("/deepspeed/",)
+FSDP2_CODE = ("/torch/distributed/fsdp/",)
 
 register(StrategySpec(
-    name="ddp", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False,
+    name="ddp", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False, transient_code=DDP_CODE,
     description="torch DistributedDataParallel: fp32 weights, autocast, gradient buckets beside the gradients",
     layout=torch_ddp_layout, unpadded=lambda psi, n, e: (4 * psi, 4 * psi, 8 * psi, 4 * psi)))
 register(StrategySpec(
     name="zero0", backend=DEEPSPEED, options={"stage": 0}, needs_deepspeed=True, paper_stage=0,
-    shards_gradients=False, description="DeepSpeed without ZeRO (the case study's baseline)",
+    shards_gradients=False, transient_code=DEEPSPEED_CODE,
+    description="DeepSpeed without ZeRO (the case study's baseline)",
     layout=deepspeed_stage0_layout,
     unpadded=lambda psi, n, e: (e * psi, e * psi, ((4 if e == 2 else 0) + 8) * psi, 0)))
 for stage in (1, 2):
     register(StrategySpec(
         name=f"zero{stage}", backend=DEEPSPEED, options={"stage": stage}, needs_deepspeed=True, paper_stage=stage,
-        shards_gradients=True, flat_partition=True, reduce_bucket="every backward",
+        shards_gradients=True, flat_partition=True, reduce_bucket="every backward", transient_code=DEEPSPEED_CODE,
         description=f"DeepSpeed ZeRO-{stage}: " + ("optimizer states" if stage == 1 else "optimizer states and "
                                                    "gradients") + " partitioned",
         layout=deepspeed_flat_partition_layout,
         unpadded=lambda psi, n, e: (e * psi, e * psi / n, 12 * psi / n, 0)))
 register(StrategySpec(
     name="zero3", backend=DEEPSPEED, options={"stage": 3}, needs_deepspeed=True, paper_stage=3,
-    shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True,
+    shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True, transient_code=DEEPSPEED_CODE,
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
     unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0)))
 for name, reshard in (("fsdp2-grad", False), ("fsdp2", True)):
     register(StrategySpec(
         name=name, backend=FSDP2, options={"reshard_after_forward": reshard}, needs_deepspeed=False, paper_stage=3,
-        shards_gradients=True,
+        shards_gradients=True, transient_code=FSDP2_CODE,
         description="PyTorch FSDP2, " + ("full sharding" if reshard else "parameters kept gathered from forward to "
                                          "backward (reshard_after_forward=False, like ZeRO-2)"),
         layout=fsdp2_layout, unpadded=lambda psi, n, e: (4 * psi / n, 4 * psi / n, 8 * psi / n, 0)))
@@ -146,5 +154,12 @@ VERIFY_DEFAULT = ("zero0", "zero2")  # the case study's comparison
 BENCH_REFERENCE = "ddp"  # what bench compares every strategy with
 BENCH_DEFAULT = ("ddp", "zero2")
 
-for _plugin in filter(None, (m.strip() for m in os.environ.get("ZEROLENS_PLUGINS", "").split(","))):
-    importlib.import_module(_plugin)
+
+def load_plugins() -> None:
+    """Imports the modules named in ZEROLENS_PLUGINS (comma-separated), whose `register` calls add
+    strategies; a module already imported is not imported again."""
+    for module in filter(None, (m.strip() for m in os.environ.get("ZEROLENS_PLUGINS", "").split(","))):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # the plugin's own error, whatever it is, in one line
+            raise UserError(f"ZEROLENS_PLUGINS: cannot load {module}: {type(e).__name__}: {e}") from None
