@@ -15,7 +15,7 @@ from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_v
 from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
 from .model import PRESETS
 from .strategies import registry
-from .tables import console
+from .tables import say
 from .jobs import run_folder, run_in_new_folder
 
 
@@ -174,9 +174,7 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        terminal = console()
-        for line in render_estimate(result):
-            terminal.print(line)
+        say(*render_estimate(result))
     return 0
 
 

@@ -73,6 +73,12 @@ def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int
             "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states + buffers}
 
 
+def paper_gb(n: float) -> str:
+    """The ZeRO paper's unit: GB, 10^9 bytes."""
+    gb = n / 1e9
+    return f"{gb:,.1f}" if gb >= 10 else f"{gb:.3f}"
+
+
 def render_estimate(result: dict) -> list:
     """The estimate for the terminal (rich renderables), one unit per table; --json has every figure."""
     from .tables import in_unit, terminal_table, unit_for
@@ -85,7 +91,7 @@ def render_estimate(result: dict) -> list:
         unit, label = unit_for([e["components"][k] for e in entries.values() for k in keys]
                                + [e["paper_model_states_bytes"] for e in entries.values()])
         rows = [[name, *(in_unit(e["components"][k], unit, 2) for k in keys),
-                 in_unit(e["paper_model_states_bytes"], unit, 2), f"{e['paper_model_states_bytes'] / 1e9:,.1f}",
+                 in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
                  in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e in entries.items()]
         return lines + [
             f"Per rank, {label} (1024-based), from the parameter count alone: each strategy's layout without the "
@@ -103,11 +109,12 @@ def render_estimate(result: dict) -> list:
             "transient_reduce_bucket_bytes", "retained_total_bytes")
     unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [e["paper_model_states_bytes"] for e in entries.values()])
     rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(e["paper_model_states_bytes"], unit, 2),
-             in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
+             paper_gb(e["paper_model_states_bytes"]), in_unit(e["deepspeed_estimator_bytes"], unit, 2)]
+            for name, e, r in shown]
     return lines + [
         f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "
         "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
-        "allocated in backward; \"kept\": everything held between steps. Activations are not included (--json: "
-        "every rank and figure).",
+        "allocated in backward; \"kept\": everything held between steps. The ZeRO paper's model states also in "
+        "GB (10^9 bytes), its unit. Activations are not included (--json: every rank and figure).",
         terminal_table(["strategy", "rank", "params", "grads", "optimizer", "buffers", "bucket", "kept", "paper",
-                        "DeepSpeed"], rows, right=set(range(1, 10)))]
+                        "paper GB", "DeepSpeed"], rows, right=set(range(1, 11)))]

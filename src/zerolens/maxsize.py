@@ -158,12 +158,11 @@ def run_maxsize(config, out: Path, command: str) -> int:
     summary = maxsize_summary(config, results, command=command)
     report.write_json(out / "maxsize.json", summary)
     report.write_atomic(out / "maxsize.md", render_maxsize(summary))
-    from .tables import console, terminal_table
+    from .tables import say, terminal_table
     rows = [[name, s["max_depth"], f"{s['params'] / 1e9:.2f}B", "-" if s["peak_bytes"] is None
              else f"{s['peak_bytes'] / GiB:.1f}", "-" if s[VS] is None else f"{s[VS]:.2f}"]
             for name, s in summary["strategies"].items()]
-    terminal = console()
-    terminal.print(terminal_table(["strategy", "max depth", "parameters", "peak (GiB)",
-                                   f"params vs {registry.BENCH_REFERENCE}"], rows, right={1, 2, 3, 4}))
-    terminal.print(f"Report: {out / 'maxsize.md'}; maxsize.json and every trial's folder beside it.")
+    say(terminal_table(["strategy", "max depth", "parameters", "peak (GiB)", f"params vs {registry.BENCH_REFERENCE}"],
+                       rows, right={1, 2, 3, 4}),
+        f"Report: {out / 'maxsize.md'}; maxsize.json and every trial's folder beside it.")
     return 0

@@ -51,7 +51,8 @@ def peak_components(rank: dict) -> tuple[str, dict] | None:
 
 
 def memory_plot(summary: dict, path: Path) -> Path:
-    """Left: per strategy and rank, what is kept between steps by component, beside what is alive
+    """Left: per strategy and rank, what is held after backward by component (the moment the
+    gradients are all there: after the step DeepSpeed frees its own), beside what is alive
     at the rank's highest peak (CUDA: by component, from the peak replay; CPU: the tensor tracker's
     total). Right: the gradients each rank holds after backward as a share of the baseline's,
     against 1/N."""
@@ -76,14 +77,15 @@ def memory_plot(summary: dict, path: Path) -> Path:
             kept_ax.bar([k + width / 2 for k in x], heights, width, bottom=bottom, color=colors[i % 10],
                         hatch="//", edgecolor="white", label=None if i < 4 else f"at peak: {label}")
             bottom = [b + h for b, h in zip(bottom, heights)]
-        ticks = [f"{name}\nr{r['rank']}\nkept | {a[0] if a else '-'}" for (name, r), a in zip(bars, anatomies)]
+        ticks = [f"{name}\nr{r['rank']}\nheld | {a[0] if a else '-'}" for (name, r), a in zip(bars, anatomies)]
     else:
         peaks = [r["peak_bytes"] / MiB if r["peak_bytes"] is not None else 0 for _, r in bars]
         kept_ax.bar([k + width / 2 for k in x], peaks, width, color="0.6", label="peak (tensor tracker, total)")
-        ticks = [f"{name}\nr{r['rank']}\nkept | peak" for name, r in bars]
+        ticks = [f"{name}\nr{r['rank']}\nheld | peak" for name, r in bars]
     kept_ax.set_xticks(list(x), ticks, fontsize=7)
     kept_ax.set_ylabel("MiB per rank")
-    kept_ax.set_title(f"Kept between steps, and alive at the peak ({n} ranks, {summary['precision']})", fontsize=10)
+    kept_ax.set_title(f"Held after backward | alive at the highest peak ({n} ranks, {summary['precision']})",
+                      fontsize=10)
     kept_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     shares = [r["grad_bytes_after_backward"] / base[r["rank"]]["grad_bytes_after_backward"] for _, r in bars]
     share_ax.bar(list(x), shares, color=colors[1])

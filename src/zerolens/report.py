@@ -211,30 +211,28 @@ def terminal_lines(summary: dict, out: Path) -> list:
     ranks folded) with what each keeps and its peak against the baseline's, the notes that matter,
     the count of checks with every failing one in full, the verdict, and where the files are.
     Everything else is in report.md (`--verbose` prints it)."""
-    from .tables import terminal_table, verdict_text
+    from .tables import failed_line, terminal_table, verdict_line
     base = summary["strategies"][summary["baseline"]]["ranks"]
     keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "peak_bytes")
     unit, label = unit_for([r[k] for s in summary["strategies"].values() for r in s["ranks"] for k in keys])
     rows = []
     for name, s in summary["strategies"].items():
-        shown = [(in_unit(r["param_bytes"], unit), in_unit(r["grad_bytes_after_backward"], unit),
-                  ratio(r["grad_bytes_after_backward"], base[r["rank"]]["grad_bytes_after_backward"]),
-                  in_unit(r["optimizer_state_bytes"], unit), in_unit(r["peak_bytes"], unit),
-                  ratio(r["peak_bytes"], base[r["rank"]]["peak_bytes"])) for r in s["ranks"]]
+        shown = [tuple(cell for k in keys for cell in (in_unit(r[k], unit), ratio(r[k], base[r["rank"]][k])))
+                 for r in s["ranks"]]
         for first, last, values in folded(shown):
             rows.append([name, str(first) if first == last else f"{first}-{last}", *values])
-    table = terminal_table(["strategy", "ranks", f"params ({label})", f"grads ({label})", "vs base",
-                            f"optimizer ({label})", f"peak ({label})", "vs base"], rows, right={2, 3, 4, 5, 6, 7})
+    table = terminal_table(["strategy", "ranks", "params", "vs base", "grads", "vs base", "optimizer", "vs base",
+                            "peak", "vs base"], rows, right=set(range(2, 10)))
     checks = summary["checks"]
     failed = [c for c in checks if not c["passed"]]
-    lines = ["", f"Memory per rank, {summary['precision']} (grads: right after backward; vs base: against "
-             f"{summary['baseline']})", table]
+    lines = ["", f"Memory per rank in {label}, {summary['precision']} (grads: right after backward; vs base: "
+             f"against {summary['baseline']})", table]
     lines += [f"- {note}" for note in summary.get("headline_notes", [])]
     lines.append(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
                  + (f"; {len(summary['notes'])} notes in report.md" if summary["notes"] else "") + ".")
-    lines += [f"[red]FAIL[/] {c['name']}: {c['detail']} (tolerance: {c['tolerance']})" for c in failed]
+    lines += [failed_line(f"{c['name']}: {c['detail']} (tolerance: {c['tolerance']})") for c in failed]
     lines += [f"Not checked: {c['name']}: {c['why']}." for c in summary.get("not_checked", [])]
-    lines.append(f"Verdict: {verdict_text(summary['verdict'])}")
+    lines.append(verdict_line(summary["verdict"]))
     lines.append(f"Report: {out / 'report.md'}; summary.json and plots beside it.")
     return lines
 

@@ -205,14 +205,15 @@ def run_sweep(points: list, out, command: str) -> int:
     from . import report
     from .jobs import run_in_new_folder
     from .model import parameter_shapes
-    from .tables import console
-    terminal = console()
+    from .tables import say
     done, failed = [], []
-    for config in points:
+    for i, config in enumerate(points, 1):
         label = f"{config.preset}, N={config.nproc}, reduce_bucket_size {config.reduce_bucket_size:.0e}"
-        summary = run_in_new_folder(config, command=f"{command} (point: {label})", quiet=True)
-        terminal.print(f"zerolens sweep: {label}: {'failed' if summary is None else summary['verdict']} "
-                       f"({config.out})")
+        say(f"zerolens sweep: point {i} of {len(points)}: {label} ...")
+        # A point's own terminal summary only with --verbose; its report and summary.json always.
+        summary = run_in_new_folder(config, command=f"{command} (point: {label})", quiet=not config.verbose)
+        say(f"zerolens sweep: point {i} of {len(points)}: {'failed' if summary is None else summary['verdict']} "
+            f"({config.out})")
         if summary is None:
             failed.append(f"{config.preset} N={config.nproc} bucket {config.reduce_bucket_size:.0e}")
             continue
@@ -235,9 +236,8 @@ def run_sweep(points: list, out, command: str) -> int:
         from .plots import sweep_plots
         sweep_plots(done, out)
     except ImportError:
-        terminal.print("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
-    for line in sweep_terminal_lines(rows, checks, verdict, out):
-        terminal.print(line, markup=isinstance(line, str) and "[/]" in line)
+        say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    say(*sweep_terminal_lines(rows, checks, verdict, out))
     return 0 if passed else 1
 
 
@@ -245,7 +245,7 @@ def sweep_terminal_lines(rows: list[dict], checks: list[dict], verdict: str, out
     """The sweep for the terminal: per model, bucket and strategy, the largest rank's gradients as a
     share of the unsharded ones at each N; the checks across N (every failing one in full); the
     verdict; where the files are."""
-    from .tables import terminal_table, verdict_text
+    from .tables import failed_line, terminal_table, verdict_line
     ns = sorted({r["world_size"] for r in rows})
     table_rows = {}
     for r in rows:
@@ -257,6 +257,6 @@ def sweep_terminal_lines(rows: list[dict], checks: list[dict], verdict: str, out
     failed = [c for c in checks if not c["passed"]]
     return ["", "Gradients kept by the largest rank, as a share of the unsharded ones (1/N where sharded):", table,
             f"Across world sizes: {len(checks) - len(failed)} of {len(checks)} checks passed.",
-            *(f"[red]FAIL[/] {c['name']}: {c['detail']}" for c in failed),
-            f"Verdict: {verdict_text(verdict)}",
+            *(failed_line(f"{c['name']}: {c['detail']}") for c in failed),
+            verdict_line(verdict),
             f"Report: {out / 'sweep.md'}; sweep.json, the plots and each point's folder beside it."]

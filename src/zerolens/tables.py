@@ -48,21 +48,39 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, width=width, highlight=False, soft_wrap=False)
 
 
+def say(*lines, stderr: bool = False) -> None:
+    """Lines for the terminal, at most WIDTH columns. A str is printed as it is: rich's markup is off,
+    since what zerolens prints (check details, paths, a user's names) may hold brackets; colour comes
+    only from rich renderables (tables, `verdict_line`, `failed_line`)."""
+    terminal = console(stderr)
+    for line in lines:
+        terminal.print(line, markup=False)
+
+
 def terminal_table(header: list[str], rows: list[list], *, right: set[int] | None = None):
-    """A table for the terminal (rich): numbers right-aligned (the columns in `right`)."""
+    """A table for the terminal (rich): numbers right-aligned (the columns in `right`); cells are
+    plain text (no markup)."""
     from rich import box
     from rich.table import Table
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    from rich.text import Text
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
     for i, name in enumerate(header):
-        table.add_column(name, justify="right" if right and i in right else "left", overflow="fold")
+        table.add_column(Text(name), justify="right" if right and i in right else "left", overflow="fold")
     for row in rows:
-        table.add_row(*(str(c) for c in row))
+        table.add_row(*(Text(str(c)) for c in row))
     return table
 
 
-def verdict_text(verdict: str) -> str:
-    """The verdict in rich markup: green PASS, red FAIL (colour only reaches a terminal)."""
-    return f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/]"
+def verdict_line(verdict: str):
+    """"Verdict: PASS" in green, FAIL in red (colour only reaches a terminal)."""
+    from rich.text import Text
+    return Text.assemble("Verdict: ", (verdict, f"bold {'green' if verdict == 'PASS' else 'red'}"))
+
+
+def failed_line(text: str):
+    """A failing check: "FAIL" in red, then its text as it is."""
+    from rich.text import Text
+    return Text.assemble(("FAIL", "red"), f" {text}")
 
 
 def progress(total: int, description: str = ""):

@@ -40,6 +40,7 @@ from .runfolder import default_run_folder, is_run_folder, new_run_folder, result
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
 from .summary import build_summary
+from .tables import say
 from .train import Phase, train
 
 
@@ -301,14 +302,6 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
     return summary
 
 
-def say(*lines) -> None:
-    """Rank 0's lines on the terminal: at most 100 columns, rich tables where given."""
-    from .tables import console
-    terminal = console()
-    for line in lines:
-        terminal.print(line, markup=isinstance(line, str) and "[/]" in line)
-
-
 def agree_on_run_folder(config: RunConfig, args: argparse.Namespace) -> Path:
     """The run folder, decided by rank 0 and told to every rank. Started by `zerolens`, the folder
     exists (zerolens made it). Under another launcher rank 0 makes it here, with the same rules:
@@ -333,11 +326,11 @@ def print_header(config: RunConfig, out: Path) -> None:
         say(f"zerolens: {config.precision_note}")
     if config.job == "bench":
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps; "
-            f"run folder {out}")
+            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps",
+            f"run folder: {out}")
     else:
         say(f"zerolens verify: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-            f"{', '.join(config.strategies)}, {config.steps} steps; run folder {out}")
+            f"{', '.join(config.strategies)}, {config.steps} steps", f"run folder: {out}")
 
 
 @record
