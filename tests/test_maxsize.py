@@ -54,3 +54,61 @@ def test_nothing_fits_and_everything_fits():
     assert max_fitting(largest_fitting_depth(lambda d: None, lambda: 100)) == 0
     search = largest_fitting_depth(lambda d: d, lambda: 10**9, max_depth=64)
     assert max_fitting(search) == 64 and 65 not in search.trials
+
+
+def fake_bench(limit_bytes, per_layer, fixed, oom_message="rank 1 ran out of GPU memory during zero2 step 0 backward"):
+    """zerolens.jobs.run_job for a search without GPUs: a trial's peak grows with its depth, and a
+    depth beyond the limit fails as an out-of-memory rank does (WorkersFailed naming it)."""
+    from zerolens.launch import WorkersFailed
+    calls = []
+
+    def run_job(point, command, quiet=False):
+        depth, name = point.model.num_layers, point.strategies[0]
+        calls.append((name, depth, point.steps, point.warmup_steps, point.out, command, quiet))
+        peak = fixed[name] + per_layer[name] * depth
+        if peak > limit_bytes:
+            raise WorkersFailed(oom_message)
+        return {"memory_limit_bytes": limit_bytes, "strategies": {name: {"peak_bytes": peak}}}
+    return run_job, calls
+
+
+def test_run_maxsize_searches_each_strategy_and_writes_its_files(tmp_path, monkeypatch, capsys):
+    import json
+    from zerolens import jobs
+    from zerolens.config import RunConfig
+    from zerolens.maxsize import run_maxsize
+    from zerolens.model import PRESETS
+    run_job, calls = fake_bench(24 * GiB, {"ddp": 2 * GiB, "zero2": GiB}, {"ddp": 2 * GiB, "zero2": 2 * GiB})
+    monkeypatch.setattr(jobs, "run_job", run_job)
+    config = RunConfig(strategies=("ddp", "zero2"), baseline="ddp", device="cuda", job="bench", steps=1,
+                       preset="gpt-tiny", model=PRESETS["gpt-tiny"])
+    assert run_maxsize(config, tmp_path, "zerolens maxsize --preset gpt-tiny") == 0
+    summary = json.loads((tmp_path / "maxsize.json").read_text())
+    assert summary["strategies"]["ddp"]["max_depth"] == 11 and summary["strategies"]["zero2"]["max_depth"] == 22
+    assert summary["strategies"]["ddp"]["first_failing_depth"] == 12
+    assert summary["strategies"]["zero2"]["params_vs_ddp"] == summary["strategies"]["zero2"]["params"] / \
+        summary["strategies"]["ddp"]["params"] > 1.5
+    assert summary["memory_limit_bytes"] == 24 * GiB and summary["schema_version"] >= 1
+    # Each trial: one strategy, one warm-up and one timed step, in its own new folder, quietly.
+    assert all(steps == 1 and warmup == 1 and quiet for _, _, steps, warmup, _, _, quiet in calls)
+    assert len({out for *_, out, _, _ in calls}) == len(calls)
+    assert all((tmp_path / "trials" / f"{name}-depth{depth}").is_dir() for name, depth, *_ in calls)
+    assert "| ddp | 11 |" in (tmp_path / "maxsize.md").read_text()
+    assert "zero2" in capsys.readouterr().out
+
+
+def test_run_maxsize_stops_on_a_failure_that_is_not_out_of_memory(tmp_path, monkeypatch, capsys):
+    import json
+    from zerolens import jobs
+    from zerolens.config import RunConfig
+    from zerolens.maxsize import run_maxsize
+    from zerolens.model import PRESETS
+    run_job, _ = fake_bench(24 * GiB, {"ddp": 2 * GiB, "zero2": GiB}, {"ddp": 2 * GiB, "zero2": 2 * GiB},
+                            oom_message="rank 0 failed during zero2 step 0 forward: RuntimeError: boom")
+    monkeypatch.setattr(jobs, "run_job", run_job)
+    config = RunConfig(strategies=("ddp",), baseline="ddp", device="cuda", job="bench", steps=1,
+                       preset="gpt-tiny", model=PRESETS["gpt-tiny"])
+    assert run_maxsize(config, tmp_path, "zerolens maxsize") == 1
+    summary = json.loads((tmp_path / "maxsize.json").read_text())
+    assert "boom" in summary["failure"] and not (tmp_path / "maxsize.md").exists()
+    assert "zerolens: FAILED:" in capsys.readouterr().err

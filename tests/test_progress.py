@@ -1,9 +1,10 @@
-import pytest
 """A long verify or bench is not silent: on a terminal, rank 0 draws a bar per strategy that moves
 with every step, and bench's says when the timed steps begin. In one process (world size 1), with
 stderr standing in for a terminal."""
 import io
 import sys
+
+import pytest
 
 import torch
 

@@ -100,8 +100,12 @@ def maxsize_summary(config, searches: dict[str, Search], command: str) -> dict:
             "strategies": strategies}
 
 
+def param_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def render_maxsize(summary: dict) -> str:
-    rows = [[name, s["max_depth"], f"{s['params'] / 1e9:.2f}B",
+    rows = [[name, s["max_depth"], param_count(s["params"]),
              "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.1f}",
              "-" if s[VS] is None else f"{s[VS]:.2f}",
              ", ".join(f"{t['depth']}{'' if t['fits'] else ' (OOM)'}" for t in s["trials"])]
@@ -159,7 +163,7 @@ def run_maxsize(config, out: Path, command: str) -> int:
     report.write_json(out / "maxsize.json", summary)
     report.write_atomic(out / "maxsize.md", render_maxsize(summary))
     from .tables import say, terminal_table
-    rows = [[name, s["max_depth"], f"{s['params'] / 1e9:.2f}B", "-" if s["peak_bytes"] is None
+    rows = [[name, s["max_depth"], param_count(s["params"]), "-" if s["peak_bytes"] is None
              else f"{s['peak_bytes'] / GiB:.1f}", "-" if s[VS] is None else f"{s[VS]:.2f}"]
             for name, s in summary["strategies"].items()]
     say(terminal_table(["strategy", "max depth", "parameters", "peak (GiB)", f"params vs {registry.BENCH_REFERENCE}"],

@@ -62,7 +62,8 @@ def worker_parser() -> argparse.ArgumentParser:
     # Started by `zerolens`: the run folder exists; strategies with results in it are done; the
     # launch ends after a strategy that left memory allocated, and zerolens starts the rest anew.
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
-    # The run's settings, resolved and checked by `zerolens` (config.json); then no other flag counts.
+    # The run's settings, resolved and checked by `zerolens` (config.json); with it the settings flags
+    # (verify's and bench's, --job) are ignored, and only the ones that say how to run count.
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
     return parser
 
