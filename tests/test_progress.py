@@ -5,7 +5,6 @@ import io
 import sys
 
 import pytest
-
 import torch
 
 from distributed import spawn
