@@ -48,6 +48,14 @@ def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model on `device`; left as it is when it is there already (the peak prediction's fake
+    parameters cannot be moved, not even to where they are)."""
+    if all(t.device == device for t in [*model.parameters(), *model.buffers()]):
+        return model
+    return model.to(device)
+
+
 def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, clipping: float) -> bool:
     """The optimizer step of the torch-native strategies: unscale, clip the global gradient norm as
     DeepSpeed does, step, zero. False when the (fp16) scaler skipped the step for inf/nan

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors
-from .base import DTYPES, Strategy, TrainSettings, loss_of, scaled_step
+from .base import DTYPES, Strategy, TrainSettings, loss_of, on_device, scaled_step
 
 
 class TorchDDP(Strategy):
@@ -21,19 +21,25 @@ class TorchDDP(Strategy):
 
     def setup(self, model, device):
         self.device = device
-        self.module = model.to(device)
-        self.model = nn.parallel.DistributedDataParallel(
-            self.module, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr,
-                                           fused=self.settings.fused_adam or None)
-        # DDP's gradient buckets live in C++; a communication hook is the public way to see them.
-        # It does what the built-in hook does (average by all-reduce) and keeps a reference to
-        # each bucket's flat buffer, which the reducer keeps for the life of the model anyway.
+        self.module = on_device(model, device)
         self.bucket_buffers: dict[int, torch.Tensor] = {}
-        self.model.register_comm_hook(None, self._allreduce_and_remember_bucket)
+        self.model = self.wrap(self.module, device)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr,
+                                           fused=self.settings.fused_adam or None, **self.optimizer_options())
         self.autocast_dtype = DTYPES[self.settings.precision]
         # fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.settings.precision == "fp16")
+
+    def wrap(self, module, device):
+        model = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        # DDP's gradient buckets live in C++; a communication hook is the public way to see them.
+        # It does what the built-in hook does (average by all-reduce) and keeps a reference to
+        # each bucket's flat buffer, which the reducer keeps for the life of the model anyway.
+        model.register_comm_hook(None, self._allreduce_and_remember_bucket)
+        return model
+
+    def optimizer_options(self) -> dict:
+        return {}
 
     def _allreduce_and_remember_bucket(self, state, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -69,3 +75,25 @@ class TorchDDP(Strategy):
                 "lr": self.settings.lr, "autocast": self.settings.precision,
                 "gradient_clipping": self.settings.gradient_clipping,
                 "gradient_as_bucket_view": False}
+
+
+class TorchDDPStepModel(TorchDDP):
+    """What DDP allocates on one rank, without a process group, for the peak prediction
+    (predict_peak.py): the same model, autocast, optimizer and step; the Reducer's buckets (a flat
+    copy of every gradient, made at construction and kept) as one buffer of the layout's size. The
+    all-reduce works in place in the buckets and allocates nothing."""
+
+    def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool):
+        super().__init__(settings)
+        self.cuda = cuda
+
+    def wrap(self, module, device):
+        # The gradients' dtype: fp32, as the weights under autocast (theory.torch_ddp_layout).
+        numel = sum(p.numel() for p in module.parameters())
+        self.bucket_buffers[0] = torch.empty(numel, dtype=torch.float32, device=device)
+        return module
+
+    def optimizer_options(self) -> dict:
+        # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on
+        # the CPU it would not.
+        return {} if self.settings.fused_adam else {"foreach": self.cuda}

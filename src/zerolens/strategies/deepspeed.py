@@ -265,3 +265,147 @@ def reduce_buckets(optimizer) -> list[torch.Tensor]:
     if stage3:
         return [required(optimizer, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")]
     return list(required(optimizer, "ipg_buffer") or [])
+
+
+class DeepSpeedStepModel(Strategy):
+    """What DeepSpeed at ZeRO stage 0, 1 or 2 allocates on one rank, without a process group, for
+    the peak prediction (predict_peak.py). Read from DeepSpeed 0.19's source:
+
+    - stage 0, 16-bit (FP16_UnfusedOptimizer, runtime/fp16/unfused_optimizer.py): 16-bit weights,
+      an fp32 master per parameter; backward leaves 16-bit gradients; the step makes an fp32 copy
+      of every gradient, clips, steps AdamW on the masters, drops the copies, writes the weights.
+      fp32: the torch optimizer on the weights themselves.
+    - stage 1/2 (DeepSpeedZeroOptimizer, runtime/zero/stage_1_and_2.py): 16-bit weights as views of
+      one flat buffer padded to the partition layout (theory.zero_partition_layout), an fp32 master
+      of the rank's slice. At the first gradient backward allocates the reduce bucket (setup_buckets:
+      reduce_bucket_size elements), copies each gradient into it as it is made and drops the
+      gradient; a full bucket is reduced in place and the rank's share copied to its gradient
+      buffer (allocated at the first reduction: the gradients of the parameters that overlap the
+      slice). The bucket is released by backward's end. The step takes the norm (an fp32 copy of
+      one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
+      frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
+      16-bit slice (the all-gather writes into the flat buffer in place).
+    """
+
+    def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, stage: int):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"zerolens does not predict ZeRO-{stage}'s peak yet")
+        self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[settings.precision]
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        # torch's AdamW as DeepSpeed builds it with torch_adam: foreach on CUDA (torch's default
+        # there), unless fused.
+        fused = self.settings.fused_adam
+        return torch.optim.AdamW(params, lr=self.settings.lr, fused=fused or None,
+                                 **({} if fused else {"foreach": self.cuda}))
+
+    def setup(self, model, device):
+        from ..theory import zero_partition_layout
+        self.device = device
+        with torch.no_grad():
+            params = list(model.parameters())
+            if self.stage == 0:
+                for p in params:
+                    p.data = p.data.to(self.dtype)
+                self.params = params
+                self.masters = [p.detach().float() for p in params] if self.dtype != torch.float32 else params
+                self.opt = self.optimizer(self.masters)
+            else:
+                numels = [p.numel() for p in params]
+                part = zero_partition_layout(numels, self.settings.world_size)[self.rank]
+                self.partition = part
+                flat = torch.empty(part.partition_elements * self.settings.world_size, dtype=self.dtype, device=device)
+                offset = 0
+                for p, n in zip(params, numels):
+                    p.data = flat[offset:offset + n].view(p.shape)
+                    offset += n
+                self.flat, self.params = flat, params
+                self.master = flat[part.start:part.start + part.partition_elements].float()
+                self.opt = self.optimizer([self.master])
+                self.in_partition = [params[i] for i in part.overlapping_params]
+        self.module = model
+        self.grads_in_partition = None
+        self.bucket = None
+
+    def forward_loss(self, tokens, labels):
+        return loss_of(self.module(tokens.to(self.device)), labels.to(self.device))
+
+    def backward(self, loss):
+        if self.stage == 0:
+            loss.backward()
+            return
+        self.bucket_used = 0
+        self.pending: list[torch.Tensor] = []
+        hooks = [p.register_post_accumulate_grad_hook(self._into_bucket) for p in self.params]
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        self._reduce_bucket()
+        self.bucket = None
+
+    def _into_bucket(self, p) -> None:
+        with torch.no_grad():
+            if self.bucket is None:  # setup_buckets, at the first gradient
+                self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
+            if self.bucket_used + p.numel() > self.bucket.numel():
+                self._reduce_bucket()
+            self.bucket[self.bucket_used:self.bucket_used + p.numel()].copy_(p.grad.reshape(-1))
+            self.bucket_used += p.numel()
+            self.pending.append(p)
+            p.grad = None
+
+    def _reduce_bucket(self) -> None:
+        """The rank's share of a reduced bucket into its gradient buffer (made at the first)."""
+        if self.grads_in_partition is None and self.pending:
+            self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
+                                                  device=self.device)
+        self.bucket_used, self.pending = 0, []
+
+    def step(self):
+        with torch.no_grad():
+            if self.stage == 0:
+                grads = [p.grad for p in self.params]
+                for g in grads:  # the norm, one fp32 copy at a time
+                    torch.linalg.vector_norm(g.float())
+                if self.masters is not self.params:
+                    for m, g in zip(self.masters, grads):
+                        m.grad = g.to(torch.float32)
+                for m in self.masters:
+                    m.grad.mul_(1.0)  # unscale and clip, in place
+                self.opt.step()
+                for m, p in zip(self.masters, self.params):
+                    m.grad = None
+                    if m is not p:
+                        p.copy_(m)
+                for p in self.params:
+                    p.grad = None
+                return True
+            part = self.partition
+            # The slice's gradients: views of the buffer, the last rank's padded.
+            views, offset = [], 0
+            for p in self.in_partition:
+                views.append(self.grads_in_partition[offset:offset + p.numel()])
+                offset += p.numel()
+            for view in views:  # the norm, one fp32 copy at a time
+                torch.linalg.vector_norm(view.to(torch.float32))
+            flat16 = torch.cat(views + ([torch.zeros(part.partition_elements - part.grad_buffer_elements,
+                                                     dtype=self.dtype, device=self.device)]
+                                        if part.partition_elements > part.grad_buffer_elements else []))
+            flat16 = flat16[:part.partition_elements]
+            grad32 = flat16.to(torch.float32)
+            del flat16, views, view
+            self.grads_in_partition = None
+            self.master.grad = grad32
+            grad32.mul_(1.0)  # unscale and clip, in place
+            del grad32
+            self.opt.step()
+            self.master.grad = None
+            self.flat[part.start:part.start + part.partition_elements].copy_(self.master)
+        return True
+
+    def holdings(self):
+        return Holdings()
+
+    def teardown(self):
+        pass

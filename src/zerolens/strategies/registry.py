@@ -41,6 +41,9 @@ class StrategySpec:
     # How its temporaries are recognised in the CUDA peak replay (peaks.py): path fragments of the
     # files whose allocations are the backend's own (reduce buckets, gathered parameters, ...).
     transient_code: tuple[str, ...] = ()
+    # "module:Class" of what its backend allocates on one rank without a process group, for the peak
+    # prediction (predict_peak.py); None where zerolens does not predict its peak yet.
+    step_model: str | None = None
     layout: Callable[[Layout], dict]  # retained bytes per component (theory.py)
     unpadded: Unpadded
 
@@ -48,6 +51,15 @@ class StrategySpec:
         """The backend, ready for setup."""
         module, _, cls = self.backend.partition(":")
         strategy = getattr(importlib.import_module(module), cls)(settings, **self.options)
+        strategy.name = self.name
+        return strategy
+
+    def build_step_model(self, settings, *, rank: int, cuda: bool):
+        """The backend's step model (predict_peak.py), or ValueError where there is none."""
+        if self.step_model is None:
+            raise ValueError(f"zerolens does not predict {self.name}'s peak yet")
+        module, _, cls = self.step_model.partition(":")
+        strategy = getattr(importlib.import_module(module), cls)(settings, rank=rank, cuda=cuda, **self.options)
         strategy.name = self.name
         return strategy
 
@@ -114,17 +126,19 @@ def default_baseline(strategies: tuple[str, ...]) -> str:
 DDP = "zerolens.strategies.ddp:TorchDDP"
 DEEPSPEED = "zerolens.strategies.deepspeed:DeepSpeedZero"
 FSDP2 = "zerolens.strategies.fsdp2:TorchFSDP2"
+DEEPSPEED_STEP_MODEL = "zerolens.strategies.deepspeed:DeepSpeedStepModel"
 DDP_CODE = ("/torch/nn/parallel/",)  # its reducer is C++: its buckets are made at set-up and held (census)
 DEEPSPEED_CODE = ("/deepspeed/",)
 FSDP2_CODE = ("/torch/distributed/fsdp/",)
 
 register(StrategySpec(
     name="ddp", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False, transient_code=DDP_CODE,
+    step_model="zerolens.strategies.ddp:TorchDDPStepModel",
     description="torch DistributedDataParallel: fp32 weights, autocast, gradient buckets beside the gradients",
     layout=torch_ddp_layout, unpadded=lambda psi, n, e: (4 * psi, 4 * psi, 8 * psi, 4 * psi)))
 register(StrategySpec(
     name="zero0", backend=DEEPSPEED, options={"stage": 0}, needs_deepspeed=True, paper_stage=0,
-    shards_gradients=False, transient_code=DEEPSPEED_CODE,
+    shards_gradients=False, transient_code=DEEPSPEED_CODE, step_model=DEEPSPEED_STEP_MODEL,
     description="DeepSpeed without ZeRO (the case study's baseline)",
     layout=deepspeed_stage0_layout,
     unpadded=lambda psi, n, e: (e * psi, e * psi, ((4 if e == 2 else 0) + 8) * psi, 0)))
@@ -132,6 +146,7 @@ for stage in (1, 2):
     register(StrategySpec(
         name=f"zero{stage}", backend=DEEPSPEED, options={"stage": stage}, needs_deepspeed=True, paper_stage=stage,
         shards_gradients=True, flat_partition=True, reduce_bucket="every backward", transient_code=DEEPSPEED_CODE,
+        step_model=DEEPSPEED_STEP_MODEL,
         description=f"DeepSpeed ZeRO-{stage}: " + ("optimizer states" if stage == 1 else "optimizer states and "
                                                    "gradients") + " partitioned",
         layout=deepspeed_flat_partition_layout,

@@ -1,0 +1,90 @@
+"""The peak each rank reaches, per phase, predicted before anything trains.
+
+A strategy's step model (its registry entry's `step_model`) does on one rank what its backend
+allocates, without a process group: the same model and precision recipe, torch's own optimizer and
+loss (their temporaries are real ops), and the backend's buffers, sized by the layout theory and
+allocated when its source allocates them. The step runs under FakeTensorMode, so no tensor has
+memory (a 70B model costs nothing), and torch's MemTracker follows every storage at the dispatch
+level, as zerolens's CPU measurement does. Two steps run (the optimizer's states appear in the
+first); the second is the prediction, as the last step is the measurement.
+
+On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor).
+Not predicted: the allocator's rounding beyond 512 bytes, fragmentation (reserved minus allocated),
+and buffers a kernel allocates and frees inside one operation (invisible at the dispatch level).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from .model import ModelConfig
+from .strategies import TrainSettings, registry
+
+PHASES = ("forward", "backward", "step")
+MiB = 1024 ** 2
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
+    """What the cuBLAS workspaces hold once forward and backward have run, from torch's default
+    workspace size: one workspace per cuBLAS handle, and a training step uses two (the main
+    thread's in forward, autograd's thread in backward), plus cuBLASLt's 1 MiB. torch's default is
+    32 MiB from compute capability 9.0 (Hopper) on, else 4 MiB x 2 + 16 KiB x 8 (CublasHandlePool.cpp).
+    Measured on H200: 65 MiB, as this says. None: no CUDA."""
+    if capability is None:
+        return 0
+    per_handle = 32 * MiB if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * per_handle + 1 * MiB
+
+
+def meta_model(model_config: ModelConfig) -> torch.nn.Module:
+    """The model on the meta device: shapes and dtypes, no memory. Built outside FakeTensorMode,
+    which then gives it fake storage (`to_empty`)."""
+    from .model import GPT, CaseStudyModel, user_model
+    with torch.device("meta"):
+        return (user_model(model_config) if model_config.kind == "user" else GPT(model_config)
+                if model_config.kind == "gpt" else CaseStudyModel(model_config))
+
+
+def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
+                  cuda_capability: tuple[int, int] | None = None) -> dict:
+    """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase of a
+    training step after the first (`peak_during_<phase>`), the highest (`peak_bytes`), what is held
+    after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from .data import make_batch
+    from .measure import reset_tracker_peak, tracker_total
+    step_model = registry.spec(name).build_step_model(settings, rank=rank, cuda=cuda_capability is not None)
+    tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
+    model = meta_model(model_config)
+    tracker = MemTracker()
+    peaks: dict[str, int] = {}
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+        warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
+        mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(tracker)
+        step_model.setup(model.to_empty(device="cpu"), torch.device("cpu"))
+        tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
+        for step in range(2):
+            tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
+            reset_tracker_peak(tracker)
+            # The rank's micro-batch as the step sees it: on the CPU held by the loop through the step;
+            # on CUDA copied to the GPU in forward and held by the graph only.
+            batch = (tokens, labels) if cuda_capability else (tokens.clone(), labels.clone())
+            loss = step_model.forward_loss(*((t.clone() for t in batch) if cuda_capability else batch))
+            peaks["forward"] = tracker_total(tracker, "peak")
+            reset_tracker_peak(tracker)
+            step_model.backward(loss)
+            del loss
+            peaks["backward"] = tracker_total(tracker, "peak")
+            reset_tracker_peak(tracker)
+            step_model.step()
+            peaks["step"] = tracker_total(tracker, "peak")
+        held = tracker_total(tracker, "current")
+    workspace = cublas_workspace_bytes(cuda_capability)
+    out = {f"peak_during_{phase}": peaks[phase] + workspace for phase in PHASES}
+    return out | {"peak_bytes": max(out.values()), "held_after_step_bytes": held + workspace,
+                  "cublas_workspace_bytes": workspace}
