@@ -242,3 +242,28 @@ def metrics_complete(out, strategies: tuple[str, ...], steps: int, nproc: int) -
                  detail="; ".join(problems) if problems else
                  f"{nproc} ranks x {len(strategies)} strategies x {steps} steps in metrics_rank<r>.jsonl, "
                  "the same global loss on every rank")
+
+
+# The peak prediction (predict_peak.py) against the measurement of the last step, per phase. On the
+# CPU both are torch's MemTracker over the same tensors (the step model against the real backend).
+PEAK_PREDICTION_TOLERANCE_CPU = 0.01
+PHASES = ("forward", "backward", "step")
+
+
+def peak_prediction_error(rank: dict) -> dict[str, float]:
+    """Per phase, predicted / measured - 1 (the phases measured on this rank)."""
+    predicted = rank["predicted_peaks"]
+    return {phase: predicted[f"peak_during_{phase}"] / rank[f"peak_during_{phase}"] - 1 for phase in PHASES
+            if rank.get(f"peak_during_{phase}")}
+
+
+def peak_prediction_check(name: str, rank: dict) -> dict:
+    """CPU: what proves the step model right: every phase's peak within 1% of the measured one."""
+    errors = peak_prediction_error(rank)
+    worst = max(errors, key=lambda phase: abs(errors[phase]))
+    return check(f"peak as predicted ({name}, rank {rank['rank']})",
+                 abs(errors[worst]) <= PEAK_PREDICTION_TOLERANCE_CPU,
+                 measured={phase: rank[f"peak_during_{phase}"] for phase in errors},
+                 expected={phase: rank["predicted_peaks"][f"peak_during_{phase}"] for phase in errors},
+                 tolerance=f"each phase within {PEAK_PREDICTION_TOLERANCE_CPU:.0%} (CPU: both from torch's MemTracker)",
+                 detail=f"worst: {worst} {errors[worst]:+.2%}")

@@ -88,3 +88,32 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     out = {f"peak_during_{phase}": peaks[phase] + workspace for phase in PHASES}
     return out | {"peak_bytes": max(out.values()), "held_after_step_bytes": held + workspace,
                   "cublas_workspace_bytes": workspace}
+
+
+def why_not_predicted(name: str, config) -> str | None:
+    """Why zerolens does not predict this strategy's peak in this run, or None."""
+    spec = registry.spec(name)
+    if spec.step_model is None:
+        return f"zerolens does not predict {name}'s peak yet"
+    if spec.needs_deepspeed and (config.ds_config or config.ds_override):
+        return "a DeepSpeed config of your own (--ds-config/--ds-override) may allocate what the step model does not"
+    if config.model.compile_blocks:
+        return "--compile changes what forward saves; the prediction traces the eager model"
+    return None
+
+
+def predicted_peaks(config, cuda_capability: tuple[int, int] | None) -> dict[str, dict]:
+    """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks (predict_peaks), or
+    `why_not`, why there is none."""
+    out = {}
+    for name in config.strategies:
+        why = why_not_predicted(name, config)
+        if why:
+            out[name] = {"why_not": why}
+            continue
+        # Only a flat partition (ZeRO-1/2) gives ranks different buffers in these step models.
+        ranks = range(config.nproc) if registry.spec(name).flat_partition else [0]
+        peaks = [predict_peaks(name, config.model, config.train_settings(), rank=r, seed=config.seed,
+                               cuda_capability=cuda_capability) for r in ranks]
+        out[name] = {"ranks": peaks if len(peaks) == config.nproc else peaks * config.nproc}
+    return out

@@ -103,6 +103,33 @@ PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimize
                 "allocator_slack": "allocator rounding"}
 
 
+def peak_prediction_section(summary: dict) -> str:
+    """Each phase's peak on the last step, predicted before training (predict_peak.py) beside measured."""
+    rows, why_not = [], []
+    for name, s in summary["strategies"].items():
+        if "peak_not_predicted" in s:
+            why_not.append(f"- {name}: {s['peak_not_predicted']}")
+            continue
+        for r in s["ranks"]:
+            p = r["predicted_peaks"]
+            for phase in ("forward", "backward", "step"):
+                measured = r.get(f"peak_during_{phase}")
+                rows.append([name, r["rank"], phase, mib(p[f"peak_during_{phase}"]), mib(measured),
+                             "-" if not measured else f"{p[f'peak_during_{phase}'] / measured - 1:+.2%}"])
+    if not rows and not why_not:
+        return ""
+    table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error"], rows)
+    cuda = "; on CUDA the cuBLAS workspaces are added" if summary["device"] == "cuda" else ""
+    return f"""
+### Peaks, predicted before training and measured (last step, MiB)
+Predicted by running each strategy's step model (what its backend allocates on one rank) on fake \
+tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase, every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.
+
+{table}
+{chr(10).join(why_not)}
+"""
+
+
 def peak_section(summary: dict) -> str:
     """CUDA only: what was allocated at each phase's peak on the last step, rank 0 of each strategy."""
     rows, sources = [], []
@@ -154,7 +181,7 @@ elements the rank owns. "peak": the CUDA allocator's, over all steps; on CPU, th
 of a tensor-allocation tracker (torch's MemTracker) on the last step.
 
 {memory_table(summary)}
-{allocator_section(summary)}{peak_section(summary)}
+{allocator_section(summary)}{peak_section(summary)}{peak_prediction_section(summary)}
 ## Loss (global batch, mean over ranks)
 
 {loss_table(summary)}

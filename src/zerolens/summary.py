@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from statistics import median
 
-from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, loss_matches, peak_check, prediction_check,
-                     zero_gradient_checks)
+from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, loss_matches, peak_check,
+                     peak_prediction_check, prediction_check, zero_gradient_checks)
 from .config import RunConfig
 from .tables import SCHEMA_VERSION, MiB
 from .strategies import registry
@@ -77,8 +77,9 @@ def without_earlier_memory(rank: dict, earlier_left: int) -> dict:
 
 def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: list[int],
                   versions: dict, param_shapes: list[tuple[int, ...]] | None = None,
-                  metrics: dict | None = None) -> dict:
+                  metrics: dict | None = None, predicted_peaks: dict | None = None) -> dict:
     """gathered[rank] is that rank's list of per-strategy results, in config.strategies order.
+    `predicted_peaks` is predict_peak.predicted_peaks of the run.
     FSDP2's predictions need the parameters' shapes as well as their sizes. `metrics` is the check
     of the ranks' own metrics files (checks.metrics_complete)."""
     strategies = {}
@@ -101,12 +102,21 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
                                          reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
                                          deepspeed=deepspeed_layout(versions.get("deepspeed")))
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
+        prediction = (predicted_peaks or {}).get(name, {"why_not": "not asked for"})
+        if "ranks" in prediction:
+            for r, rank in enumerate(strategies[name]["ranks"]):
+                rank["predicted_peaks"] = prediction["ranks"][r]
+        else:
+            strategies[name]["peak_not_predicted"] = prediction["why_not"]
     base = strategies[config.baseline]
     checks = []
     for name, s in strategies.items():
         if registry.spec(name).flat_partition and config.nproc > 1:
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
+    if config.device == "cpu":
+        checks += [peak_prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
+                   if "predicted_peaks" in rank]
     if config.device == "cuda":
         for name, s in strategies.items():
             for rank in s["ranks"]:

@@ -36,6 +36,7 @@ from .launch import OUT_OF_MEMORY
 from .data import rank_batches
 from .measure import MemoryProbe, StepTimer, clear_cublas_workspaces
 from .model import parameter_shapes
+from .predict_peak import predicted_peaks
 from .runfolder import default_run_folder, is_run_folder, new_run_folder, results_path
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
@@ -284,9 +285,12 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
     # Shapes from a copy on the meta device: building the model again on the CPU only to read its
     # sizes cost seconds (14 s for gpt-1b on 2 cores).
     shapes = parameter_shapes(config.model)
+    phase.at(name="predicting the peaks")
+    capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
     summary = build_summary(config, gathered_results(out, config.strategies, config.nproc), [s.numel() for s in shapes],
                             versions(), param_shapes=[tuple(s) for s in shapes],
-                            metrics=metrics_complete(out, config.strategies, config.steps, config.nproc))
+                            metrics=metrics_complete(out, config.strategies, config.steps, config.nproc),
+                            predicted_peaks=predicted_peaks(config, capability))
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
