@@ -279,7 +279,7 @@ class DeepSpeedStepModel(Strategy):
       one flat buffer padded to the partition layout (theory.zero_partition_layout), an fp32 master
       of the rank's slice. At the first gradient backward allocates the reduce bucket (setup_buckets:
       reduce_bucket_size elements), copies each gradient into it as it is made and drops the
-      gradient; a full bucket is reduced in place and the rank's share copied to its gradient
+      gradient (one larger than the bucket is reduced where it is); a full bucket is reduced in place and the rank's share copied to its gradient
       buffer (allocated at the first reduction: the gradients of the parameters that overlap the
       slice). The bucket is released by backward's end. The step takes the norm (an fp32 copy of
       one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
@@ -350,9 +350,14 @@ class DeepSpeedStepModel(Strategy):
                 self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
             if self.bucket_used + p.numel() > self.bucket.numel():
                 self._reduce_bucket()
-            self.bucket[self.bucket_used:self.bucket_used + p.numel()].copy_(p.grad.reshape(-1))
-            self.bucket_used += p.numel()
-            self.pending.append(p)
+            if p.numel() > self.bucket.numel():
+                # A gradient larger than the bucket is reduced where it is (extra_large_param_to_reduce).
+                self.pending.append(p)
+                self._reduce_bucket()
+            else:
+                self.bucket[self.bucket_used:self.bucket_used + p.numel()].copy_(p.grad.reshape(-1))
+                self.bucket_used += p.numel()
+                self.pending.append(p)
             p.grad = None
 
     def _reduce_bucket(self) -> None:
