@@ -48,10 +48,11 @@ def meta_model(model_config: ModelConfig) -> torch.nn.Module:
 
 
 def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
-                  cuda_capability: tuple[int, int] | None = None) -> dict:
+                  cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None) -> dict:
     """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase of a
     training step after the first (`peak_during_<phase>`), the highest (`peak_bytes`), what is held
-    after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them."""
+    after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
+    ("cpu" or "cuda") overrides where the step is traced (trace_device)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -60,21 +61,24 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     step_model = registry.spec(name).build_step_model(settings, rank=rank, cuda=cuda_capability is not None)
     tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
     model = meta_model(model_config)
+    device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
     tracker = MemTracker()
     peaks: dict[str, int] = {}
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
-        step_model.setup(model.to_empty(device="cpu"), torch.device("cpu"))
+        step_model.setup(model.to_empty(device=device), device)
+        # The rank's micro-batch: made on the CPU and, on CUDA, copied to the GPU in forward (the step
+        # model's forward_loss does, as the backend does), held by the graph only. A CUDA target
+        # traced on the CPU copies it in forward too; a CPU run holds it through the step.
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
         for step in range(2):
             tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
             reset_tracker_peak(tracker)
-            # The rank's micro-batch as the step sees it: on the CPU held by the loop through the step;
-            # on CUDA copied to the GPU in forward and held by the graph only.
-            batch = (tokens, labels) if cuda_capability else (tokens.clone(), labels.clone())
-            loss = step_model.forward_loss(*((t.clone() for t in batch) if cuda_capability else batch))
+            batch = (tokens.clone(), labels.clone()) if cuda_capability is None else (tokens, labels)
+            loss = step_model.forward_loss(*((t.clone() for t in batch) if cuda_capability and device.type == "cpu"
+                                             else batch))
             peaks["forward"] = tracker_total(tracker, "peak")
             reset_tracker_peak(tracker)
             step_model.backward(loss)
@@ -87,7 +91,16 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     workspace = cublas_workspace_bytes(cuda_capability)
     out = {f"peak_during_{phase}": peaks[phase] + workspace for phase in PHASES}
     return out | {"peak_bytes": max(out.values()), "held_after_step_bytes": held + workspace,
-                  "cublas_workspace_bytes": workspace}
+                  "cublas_workspace_bytes": workspace, "traced_on": device.type}
+
+
+def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
+    """Where the step is traced: for a CUDA target on fake CUDA tensors where this torch can make them
+    (a GPU is visible: CUDA's autocast rules, attention kernels and 512-byte rounding then apply),
+    else on the CPU, whose autocast saves less than CUDA's (docs/results/2xh200/issue14/)."""
+    if cuda_capability is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def why_not_predicted(name: str, config) -> str | None:
@@ -102,7 +115,7 @@ def why_not_predicted(name: str, config) -> str | None:
     return None
 
 
-def predicted_peaks(config, cuda_capability: tuple[int, int] | None) -> dict[str, dict]:
+def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:
     """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks (predict_peaks), or
     `why_not`, why there is none."""
     out = {}
@@ -114,6 +127,6 @@ def predicted_peaks(config, cuda_capability: tuple[int, int] | None) -> dict[str
         # Only a flat partition (ZeRO-1/2) gives ranks different buffers in these step models.
         ranks = range(config.nproc) if registry.spec(name).flat_partition else [0]
         peaks = [predict_peaks(name, config.model, config.train_settings(), rank=r, seed=config.seed,
-                               cuda_capability=cuda_capability) for r in ranks]
+                               cuda_capability=cuda_capability, trace_on=trace_on) for r in ranks]
         out[name] = {"ranks": peaks if len(peaks) == config.nproc else peaks * config.nproc}
     return out
