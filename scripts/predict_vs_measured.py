@@ -28,7 +28,8 @@ for name, s in summary["strategies"].items():
         print(name, predicted[name]["why_not"])
         continue
     for r in s["ranks"]:
-        p = predicted[name]["ranks"][r["rank"]]
-        print(name, r["rank"], p["traced_on"], " ".join(
+        prediction = predicted[name]["ranks"][r["rank"]]
+        p = prediction["last_step"] if prediction["target"] == "cpu" else prediction
+        print(name, r["rank"], prediction["traced_on"], " ".join(
             f"{ph} {p[f'peak_during_{ph}'] / 2**20:.1f}/{r[f'peak_during_{ph}'] / 2**20:.1f} MiB "
             f"{p[f'peak_during_{ph}'] / r[f'peak_during_{ph}'] - 1:+.2%}" for ph in ("forward", "backward", "step")))

@@ -251,19 +251,34 @@ PHASES = ("forward", "backward", "step")
 
 
 def peak_prediction_error(rank: dict) -> dict[str, float]:
-    """Per phase, predicted / measured - 1 (the phases measured on this rank)."""
-    predicted = rank["predicted_peaks"]
+    """Per phase, predicted / measured - 1 (the phases measured on this rank). The CPU measures the
+    last step only; CUDA every step."""
+    predicted = predicted_for_measurement(rank)
     return {phase: predicted[f"peak_during_{phase}"] / rank[f"peak_during_{phase}"] - 1 for phase in PHASES
             if rank.get(f"peak_during_{phase}")}
 
 
+def predicted_for_measurement(rank: dict) -> dict:
+    """The prediction that matches what was measured: the last step's on CPU (no allocator peak)."""
+    predicted = rank["predicted_peaks"]
+    return predicted["last_step"] if predicted["target"] == "cpu" else predicted
+
+
 def peak_prediction_check(name: str, rank: dict) -> dict:
-    """CPU: what proves the step model right: every phase's peak within 1% of the measured one."""
+    """CPU: what proves the step model right: every phase's peak within 1% of the measured one, or
+    within the bytes of the rank's batch (tokens and labels), which the tracker counts or not
+    depending on how the training loop holds them (a few hundred bytes that are more than 1% of a
+    tiny model's peak)."""
+    predicted = predicted_for_measurement(rank)
+    slack = rank["predicted_peaks"]["batch_bytes"]
     errors = peak_prediction_error(rank)
+    misses = {phase: abs(predicted[f"peak_during_{phase}"] - rank[f"peak_during_{phase}"]) for phase in errors}
     worst = max(errors, key=lambda phase: abs(errors[phase]))
-    return check(f"peak as predicted ({name}, rank {rank['rank']})",
-                 abs(errors[worst]) <= PEAK_PREDICTION_TOLERANCE_CPU,
+    passed = all(misses[phase] <= max(PEAK_PREDICTION_TOLERANCE_CPU * rank[f"peak_during_{phase}"], slack)
+                 for phase in errors)
+    return check(f"peak as predicted ({name}, rank {rank['rank']})", passed,
                  measured={phase: rank[f"peak_during_{phase}"] for phase in errors},
-                 expected={phase: rank["predicted_peaks"][f"peak_during_{phase}"] for phase in errors},
-                 tolerance=f"each phase within {PEAK_PREDICTION_TOLERANCE_CPU:.0%} (CPU: both from torch's MemTracker)",
-                 detail=f"worst: {worst} {errors[worst]:+.2%}")
+                 expected={phase: predicted[f"peak_during_{phase}"] for phase in errors},
+                 tolerance=f"each phase within {PEAK_PREDICTION_TOLERANCE_CPU:.0%} or the batch's {slack} bytes (CPU: "
+                           "both from torch's MemTracker)",
+                 detail=f"worst: {worst} {errors[worst]:+.2%} ({misses[worst]} bytes)")

@@ -5,8 +5,7 @@ allocates, without a process group: the same model and precision recipe, torch's
 loss (their temporaries are real ops), and the backend's buffers, sized by the layout theory and
 allocated when its source allocates them. The step runs under FakeTensorMode, so no tensor has
 memory (a 70B model costs nothing), and torch's MemTracker follows every storage at the dispatch
-level, as zerolens's CPU measurement does. Two steps run (the optimizer's states appear in the
-first); the second is the prediction, as the last step is the measurement.
+level, as zerolens's CPU measurement does, over three steps (STEPS).
 
 On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor).
 Not predicted: the allocator's rounding beyond 512 bytes, fragmentation (reserved minus allocated),
@@ -23,6 +22,10 @@ from .model import ModelConfig
 from .strategies import TrainSettings, registry
 
 PHASES = ("forward", "backward", "step")
+# Steps traced: the first has no optimizer states yet, the second is where DDP rebuilds its buckets,
+# the third is every later one. The peaks are each phase's highest over them, as the CUDA
+# measurement's are over every step; `last_step` is the third alone, as the CPU measurement's.
+STEPS = 3
 MiB = 1024 ** 2
 
 
@@ -49,8 +52,8 @@ def meta_model(model_config: ModelConfig) -> torch.nn.Module:
 
 def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                   cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None) -> dict:
-    """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase of a
-    training step after the first (`peak_during_<phase>`), the highest (`peak_bytes`), what is held
+    """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase over
+    the steps (`peak_during_<phase>`) and of the last one (`last_step`), the highest (`peak_bytes`), what is held
     after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
     ("cpu" or "cuda") overrides where the step is traced (trace_device)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -63,7 +66,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     model = meta_model(model_config)
     device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
     tracker = MemTracker()
-    peaks: dict[str, int] = {}
+    steps: list[dict[str, int]] = []
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -73,25 +76,28 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         # model's forward_loss does, as the backend does), held by the graph only. A CUDA target
         # traced on the CPU copies it in forward too; a CPU run holds it through the step.
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
-        for step in range(2):
+        for step in range(STEPS):
             tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
             reset_tracker_peak(tracker)
             batch = (tokens.clone(), labels.clone()) if cuda_capability is None else (tokens, labels)
             loss = step_model.forward_loss(*((t.clone() for t in batch) if cuda_capability and device.type == "cpu"
                                              else batch))
-            peaks["forward"] = tracker_total(tracker, "peak")
+            steps.append({"forward": tracker_total(tracker, "peak")})
             reset_tracker_peak(tracker)
             step_model.backward(loss)
             del loss
-            peaks["backward"] = tracker_total(tracker, "peak")
+            steps[-1]["backward"] = tracker_total(tracker, "peak")
             reset_tracker_peak(tracker)
             step_model.step()
-            peaks["step"] = tracker_total(tracker, "peak")
+            steps[-1]["step"] = tracker_total(tracker, "peak")
         held = tracker_total(tracker, "current")
     workspace = cublas_workspace_bytes(cuda_capability)
-    out = {f"peak_during_{phase}": peaks[phase] + workspace for phase in PHASES}
-    return out | {"peak_bytes": max(out.values()), "held_after_step_bytes": held + workspace,
-                  "cublas_workspace_bytes": workspace, "traced_on": device.type}
+    out = {f"peak_during_{phase}": max(s[phase] for s in steps) + workspace for phase in PHASES}
+    return out | {"peak_bytes": max(out.values()),
+                  "last_step": {f"peak_during_{phase}": steps[-1][phase] + workspace for phase in PHASES},
+                  "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
+                  "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,
+                  "batch_bytes": tokens.nbytes + labels.nbytes}
 
 
 def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .checks import BY_ALLOCATING_CODE, census_after_step, unexplained_bytes
+from .checks import BY_ALLOCATING_CODE, census_after_step, predicted_for_measurement, unexplained_bytes
 
 from .tables import in_unit, markdown_table, mib, ratio, unit_for
 
@@ -111,7 +111,7 @@ def peak_prediction_section(summary: dict) -> str:
             why_not.append(f"- {name}: {s['peak_not_predicted']}")
             continue
         for r in s["ranks"]:
-            p = r["predicted_peaks"]
+            p = predicted_for_measurement(r)
             for phase in ("forward", "backward", "step"):
                 measured = r.get(f"peak_during_{phase}")
                 rows.append([name, r["rank"], phase, mib(p[f"peak_during_{phase}"]), mib(measured),
@@ -119,11 +119,12 @@ def peak_prediction_section(summary: dict) -> str:
     if not rows and not why_not:
         return ""
     table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error"], rows)
-    cuda = "; on CUDA the cuBLAS workspaces are added" if summary["device"] == "cuda" else ""
+    cuda = ("; on CUDA the cuBLAS workspaces are added, and each phase's peak is its highest over the steps "
+            "traced" if summary["device"] == "cuda" else "")
     return f"""
 ### Peaks, predicted before training and measured (last step, MiB)
 Predicted by running each strategy's step model (what its backend allocates on one rank) on fake \
-tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase, every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.
+tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase over every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.
 
 {table}
 {chr(10).join(why_not)}

@@ -47,6 +47,12 @@ class TorchDDP(Strategy):
         return allreduce_hook(None, bucket)
 
     def forward_loss(self, tokens, labels):
+        if not getattr(self.model, "_has_rebuilt_buckets", True):
+            # DDP rebuilds its buckets in the forward after the first backward (in the order the
+            # gradients came) and frees the old ones then: our references must not keep them
+            # alive. They held 4 bytes per parameter through the second step, 406.5 MiB on
+            # gpt-100m (scripts/ddp_bucket_hold.py, 2xH200); the next backward's hook refills this.
+            self.bucket_buffers.clear()
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.settings.precision != "fp32"):
             logits = self.model(tokens.to(self.device))
@@ -80,8 +86,9 @@ class TorchDDP(Strategy):
 class TorchDDPStepModel(TorchDDP):
     """What DDP allocates on one rank, without a process group, for the peak prediction
     (predict_peak.py): the same model, autocast, optimizer and step; the Reducer's buckets (a flat
-    copy of every gradient, made at construction and kept) as one buffer of the layout's size. The
-    all-reduce works in place in the buckets and allocates nothing."""
+    copy of every gradient, made at construction and kept) as one buffer of the layout's size,
+    made anew in the second forward (the rebuild). The all-reduce works in place in the buckets and
+    allocates nothing."""
 
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool):
         super().__init__(settings)
@@ -91,7 +98,15 @@ class TorchDDPStepModel(TorchDDP):
         # The gradients' dtype: fp32, as the weights under autocast (theory.torch_ddp_layout).
         numel = sum(p.numel() for p in module.parameters())
         self.bucket_buffers[0] = torch.empty(numel, dtype=torch.float32, device=device)
+        self.forwards = 0
         return module
+
+    def forward_loss(self, tokens, labels):
+        if self.forwards == 1:
+            # The rebuild in the second forward: the new buckets are made before the old are freed.
+            self.bucket_buffers[0] = torch.empty_like(self.bucket_buffers[0])
+        self.forwards += 1
+        return super().forward_loss(tokens, labels)
 
     def optimizer_options(self) -> dict:
         # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on

@@ -321,7 +321,8 @@ class DeepSpeedStepModel(Strategy):
                     p.data = flat[offset:offset + n].view(p.shape)
                     offset += n
                 self.flat, self.params = flat, params
-                self.master = flat[part.start:part.start + part.partition_elements].float()
+                # .clone().float(), as DeepSpeed makes it: a copy even in fp32.
+                self.master = flat[part.start:part.start + part.partition_elements].clone().float()
                 self.opt = self.optimizer([self.master])
                 self.in_partition = [params[i] for i in part.overlapping_params]
         self.module = model
