@@ -5,4 +5,4 @@ from zerolens.strategies.registry import DDP, DDP_CODE, StrategySpec, register, 
 ddp = spec("ddp")
 register(StrategySpec(name="ddp-again", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False,
                       description="torch DDP under another name (tests)", layout=ddp.layout, unpadded=ddp.unpadded,
-                      transient_code=DDP_CODE))
+                      transient_code=DDP_CODE, step_model=ddp.step_model))

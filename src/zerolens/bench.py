@@ -38,9 +38,21 @@ def datasheet_peak(device_name: str, precision: str) -> float | None:
     return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
+def predicted_peak(config: RunConfig, prediction: dict | None, measured: int | None) -> dict:
+    """The largest rank's peak as predicted before training, and its error against the measured one
+    (CUDA); or why it was not predicted."""
+    if not prediction or "ranks" not in prediction:
+        return {"predicted_peak_bytes": None,
+                "peak_not_predicted": (prediction or {}).get("why_not", "not predicted")}
+    peak = max(r["peak_bytes"] for r in prediction["ranks"])
+    return {"predicted_peak_bytes": peak,
+            "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}
+
+
 def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, device_name: str,
-                  versions: dict) -> dict:
-    """gathered[rank][i]: rank's result for config.strategies[i]."""
+                  versions: dict, predicted: dict | None = None) -> dict:
+    """gathered[rank][i]: rank's result for config.strategies[i]. `predicted`: the run's
+    predicted_peaks.json (predict_peak.predicted_peaks), made before training."""
     global_batch = config.micro_batch * config.nproc
     # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
     tokens_per_step = (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
@@ -75,6 +87,8 @@ def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, de
             "peak_bytes_including_earlier_strategies_per_rank": peaks if earlier else None,
             "left_allocated_after_teardown_bytes": per_rank[0].get("left_allocated_by_this_strategy_bytes", 0),
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
+            **predicted_peak(config, (predicted or {}).get(name), max(peaks) if None not in peaks and not earlier
+                             else None),
         }
     for s in strategies.values():
         ref = strategies.get(REFERENCE)
@@ -101,9 +115,12 @@ def render_bench(summary: dict, command: str) -> str:
                      f"{s['tokens_per_s']:,.0f}", "-" if s["tflops_per_gpu"] is None else f"{s['tflops_per_gpu']:.1f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
                      "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
+                     "-" if s.get("predicted_peak_bytes") is None else f"{s['predicted_peak_bytes'] / GiB:.2f}"
+                     + ("" if s.get("peak_prediction_error") is None else f" ({s['peak_prediction_error']:+.2%})"),
                      f"{s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}"])
     table = markdown_table(["strategy", "step (ms, median)", f"vs {REFERENCE}", "tokens/s", "TFLOP/s per rank", "MFU",
-                            "peak per rank (GiB, max)", f"vs {REFERENCE}", "loss"], rows)
+                            "peak per rank (GiB, max)", f"vs {REFERENCE}", "peak predicted before training (GiB, error)",
+                            "loss"], rows)
     flops = (f"FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}." if summary["flops_per_token"]
              else "FLOPs: not known for a user's model (no TFLOP/s or MFU); tokens are its input elements.")
     mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 from . import __version__
 from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, check_config,
-                     config_from_args, micro_batch_of, parse_strategies)
-from .estimate import estimate, param_shapes_from_factory, preset_shapes, render_estimate
-from .model import PRESETS
+                     config_from_args, micro_batch_of, model_from_args, parse_strategies)
+from .estimate import estimate, param_shapes_from_factory, render_estimate
+from .model import PRESETS, parameter_shapes
 from .strategies import registry
 from .tables import say
 from .jobs import run_folder, run_in_new_folder
@@ -146,8 +146,34 @@ def estimate_parser(subparsers) -> None:
                    help="default: what verify runs on GPUs (fp16 for case-study, bf16 for the other presets and "
                         "your model; fp16 with --params, the ZeRO paper's)")
     p.add_argument("--reduce-bucket-size", type=float, default=5e7)
+    p.add_argument("--batch", metavar="MODULE:FUNCTION",
+                   help="with --model: how zerolens makes a batch (as for verify); needed to predict the peaks")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="a preset's sequence length")
+    p.add_argument("--activation-checkpointing", action="store_true", help="GPT presets: checkpoint each block")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="what the peaks are predicted for (default cuda: the visible GPU's cuBLAS workspaces, "
+                        "else compute capability 9.0's)")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
-    p.set_defaults(func=estimate_command)
+    p.set_defaults(func=estimate_command, width=None, depth=None, heads=None, compile=False)
+
+
+def estimate_model(args: argparse.Namespace):
+    """The model whose step estimate traces for the peaks: a preset (with --seq-len or
+    --activation-checkpointing), or --model with --batch; None for --params or --model alone."""
+    if args.params is not None or (args.model and not args.batch):
+        return None
+    if not args.model:
+        args.preset = args.preset or "case-study"
+    return model_from_args(args)
+
+
+def target_capability(device: str) -> tuple[int, int] | None:
+    """The CUDA compute capability the peaks are predicted for: the visible GPU's, else 9.0."""
+    if device == "cpu":
+        return None
+    import torch
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 
 
 def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -158,9 +184,17 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--params must be a positive, finite parameter count, got {args.params}")
     if not (math.isfinite(args.reduce_bucket_size) and args.reduce_bucket_size >= 1):
         raise UserError(f"--reduce-bucket-size must be at least 1 element, got {args.reduce_bucket_size}")
+    if args.micro_batch < 1:
+        raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing):
+        raise UserError("--batch/--seq-len/--activation-checkpointing need a model (--preset or --model), not --params")
+    if args.batch and not args.model:
+        raise UserError("--batch goes with --model")
+    model_config = estimate_model(args)
     try:
         shapes = (None if args.params is not None else
-                  param_shapes_from_factory(args.model) if args.model else preset_shapes(args.preset or "case-study"))
+                  [tuple(s) for s in parameter_shapes(model_config)] if model_config is not None else
+                  param_shapes_from_factory(args.model))
     except ValueError as e:
         raise UserError(str(e)) from None
     try:
@@ -168,7 +202,9 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
                                        PRESET_GPU_PRECISION.get(None if args.model else args.preset or "case-study",
                                                                 "bf16"))
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
-                          reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params)
+                          reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
+                          model_config=model_config, micro_batch=args.micro_batch,
+                          cuda_capability=target_capability(args.device))
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
     if args.json:

@@ -9,8 +9,9 @@ import math
 import torch
 from torch import nn
 
-from .model import PRESETS, load_user_function, parameter_shapes
-from .strategies import registry
+from .model import load_user_function
+from .predict_peak import every_rank
+from .strategies import TrainSettings, registry
 from .theory import ELEMENT_BYTES, deepspeed_estimator, deepspeed_layout, paper_model_states
 
 
@@ -24,14 +25,13 @@ def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied weight once
 
 
-def preset_shapes(name: str) -> list[tuple[int, ...]]:
-    return [tuple(shape) for shape in parameter_shapes(PRESETS[name])]
-
-
 def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
-             param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None) -> dict:
+             param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None,
+             model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None) -> dict:
     """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
-    rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients)."""
+    rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
+    With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
+    (predict_peak.py) for `micro_batch` samples per rank, on CUDA (`cuda_capability`) or the CPU."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
     out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
@@ -59,8 +59,26 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                                              + r["optimizer_state_bytes"] + r["comm_buffer_bytes_after_backward"])
                 ranks.append(r)
             entry["ranks"] = ranks
+            add_peaks(entry, name, model_config, TrainSettings(
+                precision=precision, world_size=world_size, micro_batch=micro_batch,
+                reduce_bucket_size=reduce_bucket_size), cuda_capability)
         out["strategies"][name] = entry
+    out |= {"micro_batch": micro_batch, "device": "cpu" if cuda_capability is None else "cuda",
+            "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability))}
     return out
+
+
+def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cuda_capability) -> None:
+    """Each rank's predicted peaks into `entry`, or why there are none (`peak_not_predicted`)."""
+    if model_config is None:
+        entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"
+        return
+    if registry.spec(name).step_model is None:
+        entry["peak_not_predicted"] = f"zerolens does not predict {name}'s peak yet"
+        return
+    for rank, peaks in zip(entry["ranks"], every_rank(name, model_config, settings, cuda_capability=cuda_capability)):
+        rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
+                                           "peak_bytes", "cublas_workspace_bytes")})
 
 
 def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int, precision: str) -> dict:
@@ -107,14 +125,20 @@ def render_estimate(result: dict) -> list:
         shown += [(name, e, r) for r in [ranks[0]] + ([largest] if largest is not ranks[0] else [])]
     keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
             "transient_reduce_bucket_bytes", "retained_total_bytes")
-    unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [e["paper_model_states_bytes"] for e in entries.values()])
-    rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(e["paper_model_states_bytes"], unit, 2),
-             paper_gb(e["paper_model_states_bytes"]), in_unit(e["deepspeed_estimator_bytes"], unit, 2)]
-            for name, e, r in shown]
+    unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [r.get("peak_bytes") for _, _, r in shown]
+                           + [e["paper_model_states_bytes"] for e in entries.values()])
+    rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(r.get("peak_bytes"), unit, 2),
+             in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
+             in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
+    where = ("on the CPU" if result["device"] == "cpu" else
+             f"on CUDA (compute capability {result['cuda_capability']}'s cuBLAS workspaces included)")
+    not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
     return lines + [
         f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "
         "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
-        "allocated in backward; \"kept\": everything held between steps. The ZeRO paper's model states also in "
-        "GB (10^9 bytes), its unit. Activations are not included (--json: every rank and figure).",
-        terminal_table(["strategy", "rank", "params", "grads", "optimizer", "buffers", "bucket", "kept", "paper",
-                        "paper GB", "DeepSpeed"], rows, right=set(range(1, 11)))]
+        "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest of a training "
+        f"step, activations and temporaries included, for {result['micro_batch']} samples per rank {where}. "
+        "The ZeRO paper's model states also in GB (10^9 bytes), its unit (--json: every rank and figure).",
+        terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak", "paper",
+                        "paper GB", "DS est."], rows, right=set(range(1, 12))),
+        *(f"No peak for {line}." for line in not_predicted)]

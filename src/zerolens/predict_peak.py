@@ -22,6 +22,7 @@ from .model import ModelConfig
 from .strategies import TrainSettings, registry
 
 PHASES = ("forward", "backward", "step")
+PREDICTED_PEAKS = "predicted_peaks.json"  # in a run folder: made before training (worker.py)
 # Steps traced: the first has no optimizer states yet, the second is where DDP rebuilds its buckets,
 # the third is every later one. The peaks are each phase's highest over them, as the CUDA
 # measurement's are over every step; `last_step` is the third alone, as the CPU measurement's.
@@ -127,12 +128,15 @@ def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: s
     out = {}
     for name in config.strategies:
         why = why_not_predicted(name, config)
-        if why:
-            out[name] = {"why_not": why}
-            continue
-        # Only a flat partition (ZeRO-1/2) gives ranks different buffers in these step models.
-        ranks = range(config.nproc) if registry.spec(name).flat_partition else [0]
-        peaks = [predict_peaks(name, config.model, config.train_settings(), rank=r, seed=config.seed,
-                               cuda_capability=cuda_capability, trace_on=trace_on) for r in ranks]
-        out[name] = {"ranks": peaks if len(peaks) == config.nproc else peaks * config.nproc}
+        out[name] = {"why_not": why} if why else {"ranks": every_rank(
+            name, config.model, config.train_settings(), seed=config.seed, cuda_capability=cuda_capability,
+            trace_on=trace_on)}
     return out
+
+
+def every_rank(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> list[dict]:
+    """predict_peaks for each rank of settings.world_size. Only a flat partition (ZeRO-1/2) gives
+    ranks different buffers in the step models: the others are traced once."""
+    ranks = range(settings.world_size) if registry.spec(name).flat_partition else [0]
+    peaks = [predict_peaks(name, model_config, settings, rank=r, **options) for r in ranks]
+    return peaks if len(peaks) == settings.world_size else peaks * settings.world_size

@@ -114,9 +114,8 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         if registry.spec(name).flat_partition and config.nproc > 1:
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
-    if config.device == "cpu":
-        checks += [peak_prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
-                   if "predicted_peaks" in rank]
+    checks += [peak_prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
+               if "predicted_peaks" in rank]
     if config.device == "cuda":
         for name, s in strategies.items():
             for rank in s["ranks"]:

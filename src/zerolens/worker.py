@@ -36,7 +36,7 @@ from .launch import OUT_OF_MEMORY
 from .data import rank_batches
 from .measure import MemoryProbe, StepTimer, clear_cublas_workspaces
 from .model import parameter_shapes
-from .predict_peak import predicted_peaks
+from .predict_peak import PREDICTED_PEAKS, predicted_peaks
 from .runfolder import default_run_folder, is_run_folder, new_run_folder, results_path
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
@@ -262,7 +262,7 @@ def finish_bench(config: RunConfig, device: torch.device, out: Path, command: st
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     summary = bench_summary(config, gathered_results(out, config.strategies, config.nproc), params, device_name,
-                            versions())
+                            versions(), predicted=json.loads((out / PREDICTED_PEAKS).read_text()))
     if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
         total = torch.cuda.get_device_properties(device).total_memory
         summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \
@@ -285,12 +285,10 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
     # Shapes from a copy on the meta device: building the model again on the CPU only to read its
     # sizes cost seconds (14 s for gpt-1b on 2 cores).
     shapes = parameter_shapes(config.model)
-    phase.at(name="predicting the peaks")
-    capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
     summary = build_summary(config, gathered_results(out, config.strategies, config.nproc), [s.numel() for s in shapes],
                             versions(), param_shapes=[tuple(s) for s in shapes],
                             metrics=metrics_complete(out, config.strategies, config.steps, config.nproc),
-                            predicted_peaks=predicted_peaks(config, capability))
+                            predicted_peaks=json.loads((out / PREDICTED_PEAKS).read_text()))
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
@@ -384,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
                 report.write_json(out / "env.json", environment(config, command, device))
             if not args.config:  # zerolens wrote it; under another launcher rank 0 does
                 save_config(config, out / "config.json", command)
+            if not (out / PREDICTED_PEAKS).exists():
+                # Before anything trains, in a process no backend has touched yet (DeepSpeed's
+                # ZeRO-3 patches torch functions that the prediction's trace would then run).
+                phase.at(strategy="-", step=-1, name="predicting the peaks")
+                capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+                report.write_json(out / PREDICTED_PEAKS, predicted_peaks(config, capability))
         dist.barrier()  # the folder is ready before any rank writes into it
         finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume,
                                   quiet=args.quiet)

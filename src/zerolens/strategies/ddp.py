@@ -108,6 +108,19 @@ class TorchDDPStepModel(TorchDDP):
         self.forwards += 1
         return super().forward_loss(tokens, labels)
 
+    def step(self):
+        """scaled_step's work without reading a value (fake tensors have none): fp16's unscale and
+        scale update, the clip, AdamW's step, the zeroing."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        if self.settings.gradient_clipping > 0:
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.settings.gradient_clipping)
+        self.optimizer.step()
+        if self.scaler.is_enabled():
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
     def optimizer_options(self) -> dict:
         # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on
         # the CPU it would not.
