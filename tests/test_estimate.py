@@ -1,6 +1,7 @@
 """`zerolens estimate`: the ZeRO paper's Figure 1, presets, user models, JSON, errors."""
 import json
 
+import pytest
 
 from conftest import zerolens
 from zerolens.cli import main
@@ -74,11 +75,50 @@ def test_a_parameter_count_uses_the_same_layouts_as_the_sizes(capsys):
 
 
 def test_the_default_precision_is_what_verify_runs_on_gpus(capsys):
-    assert run_json(capsys, "--preset", "gpt-1b")["precision"] == "bf16"
-    assert run_json(capsys, "--preset", "case-study")["precision"] == "fp16"
+    # zero3: no peak is traced (the precision is what this tests).
+    assert run_json(capsys, "--preset", "gpt-1b", "--strategies", "zero3")["precision"] == "bf16"
+    assert run_json(capsys, "--preset", "case-study", "--strategies", "zero3")["precision"] == "fp16"
 
 
+@pytest.mark.slow
 def test_one_unit_per_table(capsys):
     assert main(["estimate", "--preset", "gpt-1b"]) == 0
     out = capsys.readouterr().out
     assert "Per rank, GiB (1024-based)" in out and " MiB" not in out
+
+
+def test_the_peak_of_every_rank_is_predicted_where_there_is_a_step_model(capsys):
+    from zerolens.model import PRESETS
+    from zerolens.predict_peak import predict_peaks
+    from zerolens.strategies import TrainSettings
+    result = run_json(capsys, "--preset", "gpt-tiny", "--strategies", "ddp,zero2,zero3", "--nproc", "3",
+                      "--micro-batch", "4", "--device", "cpu")
+    assert result["micro_batch"] == 4 and result["device"] == "cpu"
+    settings = TrainSettings(precision="bf16", world_size=3, micro_batch=4)
+    for name in ("ddp", "zero2"):
+        for rank in result["strategies"][name]["ranks"]:
+            expected = predict_peaks(name, PRESETS["gpt-tiny"], settings, rank=rank["rank"])
+            assert {k: rank[k] for k in expected if k.startswith("peak")} == {
+                k: v for k, v in expected.items() if k.startswith("peak")}
+            assert rank["peak_bytes"] > rank["retained_total_bytes"]
+    assert "does not predict zero3" in result["strategies"]["zero3"]["peak_not_predicted"]
+    assert "peak_bytes" not in result["strategies"]["zero3"]["ranks"][0]
+
+
+def test_a_model_without_a_batch_function_gets_no_peak(capsys):
+    result = run_json(capsys, "--model", "zerolens_test_models:tiny_classifier", "--strategies", "ddp")
+    assert "--batch" in result["strategies"]["ddp"]["peak_not_predicted"]
+    result = run_json(capsys, "--model", "zerolens_test_models:tiny_classifier", "--batch",
+                      "zerolens_test_models:tiny_batch", "--strategies", "ddp")
+    assert result["strategies"]["ddp"]["ranks"][0]["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batch", "0"], "--micro-batch must be at least 1"),
+    (["--batch", "zerolens_test_models:tiny_batch"], "--batch goes with --model"),
+    (["--params", "1e9", "--activation-checkpointing"], "need a model"),
+])
+def test_peak_flags_that_cannot_work_are_user_errors(argv, message, capsys):
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -14,6 +14,8 @@ and buffers a kernel allocates and frees inside one operation (invisible at the 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import warnings
 
 import torch
@@ -31,15 +33,36 @@ MiB = 1024 ** 2
 
 
 def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
-    """What the cuBLAS workspaces hold once forward and backward have run, from torch's default
-    workspace size: one workspace per cuBLAS handle, and a training step uses two (the main
-    thread's in forward, autograd's thread in backward), plus cuBLASLt's 1 MiB. torch's default is
-    32 MiB from compute capability 9.0 (Hopper) on, else 4 MiB x 2 + 16 KiB x 8 (CublasHandlePool.cpp).
-    Measured on H200: 65 MiB, as this says. None: no CUDA."""
+    """What the cuBLAS workspaces hold once forward and backward have run: one workspace per cuBLAS
+    handle, and a training step uses two (the main thread's in forward, autograd's thread in
+    backward), plus 1 MiB. Per handle: CUBLAS_WORKSPACE_CONFIG where set (":KiB:count" pairs, as
+    torch reads it), else 32 MiB from compute capability 9.0 on (65 MiB in all, measured on H200)
+    and, below 9.0, 4 MiB x 2 + 16 KiB x 8, assumed from torch's source and not measured. None: no
+    CUDA, no workspaces."""
     if capability is None:
         return 0
-    per_handle = 32 * MiB if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        per_handle = sum(int(kib) * 1024 * int(count) for kib, count in pairs)
+    else:
+        per_handle = 32 * MiB if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
     return 2 * per_handle + 1 * MiB
+
+
+def totals_tracker():
+    """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
+    figures at every operation, which the prediction does not read: that took most of the time of
+    gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TotalsTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snap["Total"]:
+                    self._peak_mem[device] = snap["Total"]
+                    self._peak_mem_snap[device] = dict(snap)
+    return TotalsTracker()
 
 
 def meta_model(model_config: ModelConfig) -> torch.nn.Module:
@@ -58,7 +81,6 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
     ("cpu" or "cuda") overrides where the step is traced (trace_device)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from .data import make_batch
     from .measure import reset_tracker_peak, tracker_total
@@ -66,7 +88,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
     model = meta_model(model_config)
     device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
-    tracker = MemTracker()
+    tracker = totals_tracker()
     steps: list[dict[str, int]] = []
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on

@@ -325,6 +325,7 @@ class DeepSpeedStepModel(Strategy):
                 self.master = flat[part.start:part.start + part.partition_elements].clone().float()
                 self.opt = self.optimizer([self.master])
                 self.in_partition = [params[i] for i in part.overlapping_params]
+                self.first_param_offset = sum(numels[:part.overlapping_params[0]]) if part.overlapping_params else 0
         self.module = model
         self.grads_in_partition = None
         self.bucket = None
@@ -388,19 +389,23 @@ class DeepSpeedStepModel(Strategy):
                     p.grad = None
                 return True
             part = self.partition
-            # The slice's gradients: views of the buffer, the last rank's padded.
+            # The slice's gradients (averaged_gradients): views of the buffer, trimmed to the slice
+            # (the buffer holds the parameters that straddle its ends whole), the last rank's padded.
+            lead = part.start - self.first_param_offset
+            inside = part.partition_elements - part.padding_elements
             views, offset = [], 0
             for p in self.in_partition:
-                views.append(self.grads_in_partition[offset:offset + p.numel()])
+                start, end = max(offset, lead), min(offset + p.numel(), lead + inside)
+                views.append(self.grads_in_partition[start:end])
                 offset += p.numel()
             for view in views:  # the norm, one fp32 copy at a time
                 torch.linalg.vector_norm(view.to(torch.float32))
-            flat16 = torch.cat(views + ([torch.zeros(part.partition_elements - part.grad_buffer_elements,
-                                                     dtype=self.dtype, device=self.device)]
-                                        if part.partition_elements > part.grad_buffer_elements else []))
-            flat16 = flat16[:part.partition_elements]
+            view = None
+            padding = [torch.zeros(part.padding_elements, dtype=self.dtype, device=self.device)] \
+                if part.padding_elements else []
+            flat16 = torch.cat(views + padding)  # flatten_dense_tensors_aligned: a new tensor
             grad32 = flat16.to(torch.float32)
-            del flat16, views, view
+            del flat16, views, padding
             self.grads_in_partition = None
             self.master.grad = grad32
             grad32.mul_(1.0)  # unscale and clip, in place
