@@ -117,6 +117,7 @@ def test_a_model_without_a_batch_function_gets_no_peak(capsys):
     (["--micro-batch", "0"], "--micro-batch must be at least 1"),
     (["--batch", "zerolens_test_models:tiny_batch"], "--batch goes with --model"),
     (["--params", "1e9", "--activation-checkpointing"], "need a model"),
+    (["--device", "cpu", "--precision", "fp16"], "fp16 is not supported on CPU"),
 ])
 def test_peak_flags_that_cannot_work_are_user_errors(argv, message, capsys):
     assert main(["estimate", *argv]) == 2

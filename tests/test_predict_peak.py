@@ -34,13 +34,21 @@ def test_a_billion_parameters_cost_no_memory():
     assert 8 * 2**30 < predicted["peak_bytes"] < 40 * 2**30
 
 
+def test_a_run_of_one_step_is_predicted_over_one_step():
+    """bench --warmup 0 --steps 1: its first step has no optimizer states in forward yet."""
+    settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    one = predict_peaks("ddp", PRESETS["gpt-tiny"], settings, steps=1)
+    three = predict_peaks("ddp", PRESETS["gpt-tiny"], settings)
+    assert one["peak_during_forward"] < three["peak_during_forward"]
+
+
 def test_cublas_workspaces_by_compute_capability():
     assert cublas_workspace_bytes(None) == 0
     assert cublas_workspace_bytes((9, 0)) == 68157440  # measured on H200 (docs/results/2xh200/issue14/)
 
 
 def test_a_strategy_without_a_step_model_says_so():
-    with pytest.raises(ValueError, match="does not predict zero3's peak yet"):
+    with pytest.raises(ValueError, match="zero3 has no step model"):
         predict_peaks("zero3", PRESETS["gpt-tiny"], TrainSettings(precision="bf16"))
 
 
@@ -55,3 +63,18 @@ def test_verify_on_three_ranks_predicts_every_phase_within_one_percent(tmp_path)
     assert len(checks) == 3 * len(PREDICTED) and all(c["passed"] for c in checks), checks
     assert "does not predict zero3" in summary["strategies"]["zero3"]["peak_not_predicted"]
     assert "Peaks, predicted before training and measured" in (out / "report.md").read_text()
+
+
+def test_a_model_that_cannot_be_traced_is_not_predicted_and_says_why(monkeypatch):
+    """A model whose step fails on fake tensors (here: a trace that raises) keeps its run going."""
+    from zerolens import predict_peak
+    from zerolens.config import RunConfig
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("data-dependent output\nmore lines")
+    monkeypatch.setattr(predict_peak, "predict_peaks", fails)
+    config = RunConfig(strategies=("ddp", "zero3"), baseline="ddp", preset="gpt-tiny", model=PRESETS["gpt-tiny"])
+    predicted = predict_peak.predicted_peaks(config, None)
+    assert predicted["ddp"]["why_not"] == "the trace on fake tensors failed (RuntimeError: data-dependent output)"
+    assert "more lines" in predicted["ddp"]["traceback"]  # kept whole in predicted_peaks.json
+    assert "does not predict zero3" in predicted["zero3"]["why_not"]

@@ -43,7 +43,7 @@ def predicted_peak(config: RunConfig, prediction: dict | None, measured: int | N
     (CUDA); or why it was not predicted."""
     if not prediction or "ranks" not in prediction:
         return {"predicted_peak_bytes": None,
-                "peak_not_predicted": (prediction or {}).get("why_not", "not predicted")}
+                "peak_not_predicted": (prediction or {}).get("why_not", "not predicted in this run")}
     peak = max(r["peak_bytes"] for r in prediction["ranks"])
     return {"predicted_peak_bytes": peak,
             "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from statistics import mean
 
+from .predict_peak import PHASES
 from .strategies import DTYPES
 from .theory import zero_partition_layout
 
@@ -244,13 +245,13 @@ def metrics_complete(out, strategies: tuple[str, ...], steps: int, nproc: int) -
                  "the same global loss on every rank")
 
 
-# The peak prediction (predict_peak.py) against the measurement of the last step, per phase. On the
-# CPU both are torch's MemTracker over the same tensors (the step model against the real backend).
+# The peak prediction (predict_peak.py) against the measurement, per phase: on CUDA the allocator's
+# highest over every step, on the CPU torch's MemTracker on the last step (the step model against
+# the real backend, counted alike).
 PEAK_PREDICTION_TOLERANCE_CPU = 0.01
 # CUDA: the allocator's peak, over every step, of the whole step (3%) and of each phase (5%).
 PEAK_PREDICTION_TOLERANCE_CUDA = 0.03
 PHASE_PEAK_PREDICTION_TOLERANCE_CUDA = 0.05
-PHASES = ("forward", "backward", "step")
 
 
 def peak_prediction_error(rank: dict) -> dict[str, float]:

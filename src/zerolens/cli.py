@@ -197,8 +197,12 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
                   param_shapes_from_factory(args.model))
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.device == "cpu" and args.precision == "fp16":
+        raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): use --precision bf16 "
+                        "or fp32, or --device cuda")
     try:
-        precision = args.precision or ("fp16" if args.params is not None else
+        # As verify: the paper's fp16 for a count, a preset's GPU precision on CUDA, bf16 on CPU.
+        precision = args.precision or ("fp16" if args.params is not None else "bf16" if args.device == "cpu" else
                                        PRESET_GPU_PRECISION.get(None if args.model else args.preset or "case-study",
                                                                 "bf16"))
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,

@@ -72,6 +72,7 @@ class RunConfig:
     out: str | None = None
     verbose: bool = False
     timeout: float | None = 900.0  # the hang watchdog's, in seconds (zerolens's own launcher only)
+    predict_peaks: bool = True  # rank 0 predicts the peaks before training (off for maxsize's trials)
 
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in registry.names()]

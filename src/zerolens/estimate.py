@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .model import load_user_function
-from .predict_peak import every_rank
+from .predict_peak import predict_or_why_not
 from .strategies import TrainSettings, registry
 from .theory import ELEMENT_BYTES, deepspeed_estimator, deepspeed_layout, paper_model_states
 
@@ -73,10 +73,11 @@ def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cud
     if model_config is None:
         entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"
         return
-    if registry.spec(name).step_model is None:
-        entry["peak_not_predicted"] = f"zerolens does not predict {name}'s peak yet"
+    predicted = predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability)
+    if "why_not" in predicted:
+        entry["peak_not_predicted"] = predicted["why_not"]
         return
-    for rank, peaks in zip(entry["ranks"], every_rank(name, model_config, settings, cuda_capability=cuda_capability)):
+    for rank, peaks in zip(entry["ranks"], predicted["ranks"]):
         rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
                                            "peak_bytes", "cublas_workspace_bytes")})
 

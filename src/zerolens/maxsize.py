@@ -136,7 +136,9 @@ def run_maxsize(config, out: Path, command: str) -> int:
     for name in config.strategies:
         def trial(depth: int, name=name) -> int | None:
             # One warm-up step (the optimizer's states appear in the first) and one timed step.
+            # No peak prediction: a trial only asks whether the depth fits, and each would pay for it.
             point = dataclasses.replace(config, strategies=(name,), baseline=name, warmup_steps=1, steps=1,
+                                        predict_peaks=False,
                                         model=dataclasses.replace(config.model, num_layers=depth),
                                         out=str(new_run_folder(out / "trials" / f"{name}-depth{depth}")))
             print(f"zerolens maxsize: {name}, depth {depth} ...", end=" ", flush=True)

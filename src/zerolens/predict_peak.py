@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import traceback
 import warnings
 
 import torch
@@ -75,11 +76,12 @@ def meta_model(model_config: ModelConfig) -> torch.nn.Module:
 
 
 def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
-                  cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None) -> dict:
+                  cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None,
+                  steps: int = STEPS) -> dict:
     """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase over
     the steps (`peak_during_<phase>`) and of the last one (`last_step`), the highest (`peak_bytes`), what is held
     after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
-    ("cpu" or "cuda") overrides where the step is traced (trace_device)."""
+    ("cpu" or "cuda") overrides where the step is traced (trace_device); `steps`, how many."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .data import make_batch
@@ -89,7 +91,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     model = meta_model(model_config)
     device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
     tracker = totals_tracker()
-    steps: list[dict[str, int]] = []
+    traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -99,25 +101,25 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         # model's forward_loss does, as the backend does), held by the graph only. A CUDA target
         # traced on the CPU copies it in forward too; a CPU run holds it through the step.
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
-        for step in range(STEPS):
+        for step in range(steps):
             tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
             reset_tracker_peak(tracker)
             batch = (tokens.clone(), labels.clone()) if cuda_capability is None else (tokens, labels)
             loss = step_model.forward_loss(*((t.clone() for t in batch) if cuda_capability and device.type == "cpu"
                                              else batch))
-            steps.append({"forward": tracker_total(tracker, "peak")})
+            traced.append({"forward": tracker_total(tracker, "peak")})
             reset_tracker_peak(tracker)
             step_model.backward(loss)
             del loss
-            steps[-1]["backward"] = tracker_total(tracker, "peak")
+            traced[-1]["backward"] = tracker_total(tracker, "peak")
             reset_tracker_peak(tracker)
             step_model.step()
-            steps[-1]["step"] = tracker_total(tracker, "peak")
+            traced[-1]["step"] = tracker_total(tracker, "peak")
         held = tracker_total(tracker, "current")
     workspace = cublas_workspace_bytes(cuda_capability)
-    out = {f"peak_during_{phase}": max(s[phase] for s in steps) + workspace for phase in PHASES}
+    out = {f"peak_during_{phase}": max(t[phase] for t in traced) + workspace for phase in PHASES}
     return out | {"peak_bytes": max(out.values()),
-                  "last_step": {f"peak_during_{phase}": steps[-1][phase] + workspace for phase in PHASES},
+                  "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
                   "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
                   "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,
                   "batch_bytes": tokens.nbytes + labels.nbytes}
@@ -132,11 +134,15 @@ def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
     return torch.device("cpu")
 
 
+def not_predicted_yet(name: str) -> str:
+    return f"zerolens does not predict {name}'s peak yet"
+
+
 def why_not_predicted(name: str, config) -> str | None:
-    """Why zerolens does not predict this strategy's peak in this run, or None."""
+    """Why zerolens does not predict this strategy's peak in this run (a RunConfig), or None."""
     spec = registry.spec(name)
     if spec.step_model is None:
-        return f"zerolens does not predict {name}'s peak yet"
+        return not_predicted_yet(name)
     if spec.needs_deepspeed and (config.ds_config or config.ds_override):
         return "a DeepSpeed config of your own (--ds-config/--ds-override) may allocate what the step model does not"
     if config.model.compile_blocks:
@@ -145,20 +151,25 @@ def why_not_predicted(name: str, config) -> str | None:
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:
-    """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks (predict_peaks), or
-    `why_not`, why there is none."""
-    out = {}
-    for name in config.strategies:
-        why = why_not_predicted(name, config)
-        out[name] = {"why_not": why} if why else {"ranks": every_rank(
-            name, config.model, config.train_settings(), seed=config.seed, cuda_capability=cuda_capability,
-            trace_on=trace_on)}
-    return out
+    """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
+    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer)."""
+    return {name: {"why_not": why} if (why := why_not_predicted(name, config)) else predict_or_why_not(
+        name, config.model, config.train_settings(), seed=config.seed, cuda_capability=cuda_capability,
+        trace_on=trace_on, steps=min(STEPS, config.steps + config.warmup_steps)) for name in config.strategies}
 
 
-def every_rank(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> list[dict]:
-    """predict_peaks for each rank of settings.world_size. Only a flat partition (ZeRO-1/2) gives
-    ranks different buffers in the step models: the others are traced once."""
+def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
+    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}. Only a flat
+    partition (ZeRO-1/2) gives ranks different buffers in the step models: the others are traced
+    once. A model that cannot be traced on fake tensors is not predicted, and its run goes on; the
+    traceback is kept (`traceback`) in case the fault is a step model's."""
+    if registry.spec(name).step_model is None:
+        return {"why_not": not_predicted_yet(name)}
     ranks = range(settings.world_size) if registry.spec(name).flat_partition else [0]
-    peaks = [predict_peaks(name, model_config, settings, rank=r, **options) for r in ranks]
-    return peaks if len(peaks) == settings.world_size else peaks * settings.world_size
+    try:
+        peaks = [predict_peaks(name, model_config, settings, rank=r, **options) for r in ranks]
+    except Exception as e:
+        first_line = (str(e).splitlines() or [""])[0]
+        return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
+                "traceback": traceback.format_exc()}
+    return {"ranks": peaks if len(peaks) == settings.world_size else peaks * settings.world_size}

@@ -104,7 +104,8 @@ PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimize
 
 
 def peak_prediction_section(summary: dict) -> str:
-    """Each phase's peak on the last step, predicted before training (predict_peak.py) beside measured."""
+    """Each phase's peak, predicted before training (predict_peak.py) beside measured: on CUDA the
+    highest over the steps, on the CPU the last step's (what each measures)."""
     rows, why_not = [], []
     for name, s in summary["strategies"].items():
         if "peak_not_predicted" in s:
@@ -122,7 +123,7 @@ def peak_prediction_section(summary: dict) -> str:
     cuda = ("; on CUDA the cuBLAS workspaces are added, and each phase's peak is its highest over the steps "
             "traced" if summary["device"] == "cuda" else "")
     return f"""
-### Peaks, predicted before training and measured (last step, MiB)
+### Peaks, predicted before training and measured (MiB)
 Predicted by running each strategy's step model (what its backend allocates on one rank) on fake \
 tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase over every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.
 

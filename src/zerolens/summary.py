@@ -102,7 +102,7 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
                                          reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
                                          deepspeed=deepspeed_layout(versions.get("deepspeed")))
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
-        prediction = (predicted_peaks or {}).get(name, {"why_not": "not asked for"})
+        prediction = (predicted_peaks or {}).get(name, {"why_not": "not predicted in this run"})
         if "ranks" in prediction:
             for r, rank in enumerate(strategies[name]["ranks"]):
                 rank["predicted_peaks"] = prediction["ranks"][r]
@@ -114,8 +114,9 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         if registry.spec(name).flat_partition and config.nproc > 1:
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
+    # A rank whose peaks hold an earlier strategy's memory (another launcher) has none to compare.
     checks += [peak_prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
-               if "predicted_peaks" in rank]
+               if "predicted_peaks" in rank and rank.get("peak_bytes") is not None]
     if config.device == "cuda":
         for name, s in strategies.items():
             for rank in s["ranks"]:

@@ -256,13 +256,19 @@ def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int) -> list
     return [[files[name]["ranks"][r] for name in strategies] for r in range(nproc)]
 
 
+def read_predicted_peaks(out: Path) -> dict:
+    """The run's predicted_peaks.json; empty where the run made none (maxsize's trials)."""
+    path = out / PREDICTED_PEAKS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def finish_bench(config: RunConfig, device: torch.device, out: Path, command: str, quiet: bool) -> None:
     """Rank 0, once every strategy has results: bench.json, bench.md and bench.png."""
     from .bench import bench_summary, bench_terminal_lines, render_bench
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     summary = bench_summary(config, gathered_results(out, config.strategies, config.nproc), params, device_name,
-                            versions(), predicted=json.loads((out / PREDICTED_PEAKS).read_text()))
+                            versions(), predicted=read_predicted_peaks(out))
     if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
         total = torch.cuda.get_device_properties(device).total_memory
         summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \
@@ -288,7 +294,7 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
     summary = build_summary(config, gathered_results(out, config.strategies, config.nproc), [s.numel() for s in shapes],
                             versions(), param_shapes=[tuple(s) for s in shapes],
                             metrics=metrics_complete(out, config.strategies, config.steps, config.nproc),
-                            predicted_peaks=json.loads((out / PREDICTED_PEAKS).read_text()))
+                            predicted_peaks=read_predicted_peaks(out))
     text = report.render(summary, command)
     report.write_json(out / "summary.json", summary)
     report.write_atomic(out / "report.md", text)
@@ -382,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 report.write_json(out / "env.json", environment(config, command, device))
             if not args.config:  # zerolens wrote it; under another launcher rank 0 does
                 save_config(config, out / "config.json", command)
-            if not (out / PREDICTED_PEAKS).exists():
+            if config.predict_peaks and not (out / PREDICTED_PEAKS).exists():
                 # Before anything trains, in a process no backend has touched yet (DeepSpeed's
                 # ZeRO-3 patches torch functions that the prediction's trace would then run).
                 phase.at(strategy="-", step=-1, name="predicting the peaks")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..census import Holdings, optimizer_state_tensors
+from ..census import Holdings, optimizer_state_tensors, required
 from .base import DTYPES, Strategy, TrainSettings, loss_of, on_device, scaled_step
 
 
@@ -47,7 +47,8 @@ class TorchDDP(Strategy):
         return allreduce_hook(None, bucket)
 
     def forward_loss(self, tokens, labels):
-        if not getattr(self.model, "_has_rebuilt_buckets", True):
+        if isinstance(self.model, nn.parallel.DistributedDataParallel) and not required(self.model,
+                                                                                      "_has_rebuilt_buckets"):
             # DDP rebuilds its buckets in the forward after the first backward (in the order the
             # gradients came) and frees the old ones then: our references must not keep them
             # alive. They held 4 bytes per parameter through the second step, 406.5 MiB on

@@ -289,7 +289,7 @@ class DeepSpeedStepModel(Strategy):
 
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, stage: int):
         if stage not in (0, 1, 2):
-            raise ValueError(f"zerolens does not predict ZeRO-{stage}'s peak yet")
+            raise ValueError(f"no step model for ZeRO-{stage}")
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[settings.precision]
 
@@ -400,7 +400,7 @@ class DeepSpeedStepModel(Strategy):
                 offset += p.numel()
             for view in views:  # the norm, one fp32 copy at a time
                 torch.linalg.vector_norm(view.to(torch.float32))
-            view = None
+            view = None  # the loop's last view would keep the gradient buffer alive
             padding = [torch.zeros(part.padding_elements, dtype=self.dtype, device=self.device)] \
                 if part.padding_elements else []
             flat16 = torch.cat(views + padding)  # flatten_dense_tensors_aligned: a new tensor

@@ -55,9 +55,9 @@ class StrategySpec:
         return strategy
 
     def build_step_model(self, settings, *, rank: int, cuda: bool):
-        """The backend's step model (predict_peak.py), or ValueError where there is none."""
+        """The backend's step model (predict_peak.py); ValueError where there is none."""
         if self.step_model is None:
-            raise ValueError(f"zerolens does not predict {self.name}'s peak yet")
+            raise ValueError(f"{self.name} has no step model")
         module, _, cls = self.step_model.partition(":")
         strategy = getattr(importlib.import_module(module), cls)(settings, rank=rank, cuda=cuda, **self.options)
         strategy.name = self.name
