@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from zerolens import predict_peak
+from zerolens.checks import predicted_for_measurement
 from zerolens.config import load_config
 
 parser = argparse.ArgumentParser()
@@ -29,7 +30,7 @@ for name, s in summary["strategies"].items():
         continue
     for r in s["ranks"]:
         prediction = predicted[name]["ranks"][r["rank"]]
-        p = prediction["last_step"] if prediction["target"] == "cpu" else prediction
+        p = predicted_for_measurement(r | {"predicted_peaks": prediction})
         print(name, r["rank"], prediction["traced_on"], " ".join(
             f"{ph} {p[f'peak_during_{ph}'] / 2**20:.1f}/{r[f'peak_during_{ph}'] / 2**20:.1f} MiB "
             f"{p[f'peak_during_{ph}'] / r[f'peak_during_{ph}'] - 1:+.2%}" for ph in ("forward", "backward", "step")))

@@ -173,12 +173,16 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
     return model
 
 
-def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
-    """The shapes of the model's parameters, from a copy built on the meta device (no memory, no time)."""
+def meta_model(config: ModelConfig) -> nn.Module:
+    """The model on the meta device: shapes and dtypes, no memory, no time."""
     with torch.device("meta"):
-        model = user_model(config) if config.kind == "user" else GPT(config) if config.kind == "gpt" \
+        return user_model(config) if config.kind == "user" else GPT(config) if config.kind == "gpt" \
             else CaseStudyModel(config)
-    return [p.shape for p in model.parameters()]
+
+
+def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
+    """The shapes of the model's parameters, from a copy built on the meta device."""
+    return [p.shape for p in meta_model(config).parameters()]
 
 
 def load_user_function(spec: str):

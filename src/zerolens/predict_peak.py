@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from .model import ModelConfig
+from .model import ModelConfig, meta_model
 from .strategies import TrainSettings, registry
 
 PHASES = ("forward", "backward", "step")
@@ -66,15 +66,6 @@ def totals_tracker():
     return TotalsTracker()
 
 
-def meta_model(model_config: ModelConfig) -> torch.nn.Module:
-    """The model on the meta device: shapes and dtypes, no memory. Built outside FakeTensorMode,
-    which then gives it fake storage (`to_empty`)."""
-    from .model import GPT, CaseStudyModel, user_model
-    with torch.device("meta"):
-        return (user_model(model_config) if model_config.kind == "user" else GPT(model_config)
-                if model_config.kind == "gpt" else CaseStudyModel(model_config))
-
-
 def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                   cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None,
                   steps: int = STEPS) -> dict:
@@ -88,7 +79,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     from .measure import reset_tracker_peak, tracker_total
     step_model = registry.spec(name).build_step_model(settings, rank=rank, cuda=cuda_capability is not None)
     tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
-    model = meta_model(model_config)
+    model = meta_model(model_config)  # built outside FakeTensorMode, which then gives it fake storage
     device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
     tracker = totals_tracker()
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
