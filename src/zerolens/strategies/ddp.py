@@ -34,7 +34,8 @@ class TorchDDP(Strategy):
         model = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
         # DDP's gradient buckets live in C++; a communication hook is the public way to see them.
         # It does what the built-in hook does (average by all-reduce) and keeps a reference to
-        # each bucket's flat buffer, which the reducer keeps for the life of the model anyway.
+        # each bucket's flat buffer, which the reducer keeps for the life of the model anyway,
+        # except the buckets it rebuilds once (forward_loss lets go of those).
         model.register_comm_hook(None, self._allreduce_and_remember_bucket)
         return model
 
