@@ -101,3 +101,15 @@ class Strategy(abc.ABC):
     def notes(self) -> list[str]:
         """What the user should know about how this backend was run (after setup)."""
         return []
+
+
+class ScaledStrategy(Strategy):
+    """The torch-native strategies' backward and step: their GradScaler scales the loss (fp16 only;
+    disabled it passes the loss through), then `scaled_step`. Subclasses set `scaler`,
+    `optimizer`, `module` and `settings` in setup."""
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)

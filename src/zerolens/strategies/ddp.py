@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors, required
-from .base import DTYPES, Strategy, TrainSettings, loss_of, on_device, scaled_step
+from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device
 
 
-class TorchDDP(Strategy):
+class TorchDDP(ScaledStrategy):
     """torch DistributedDataParallel: fp32 weights, autocast to the run's precision, torch AdamW.
 
     DDP also keeps a second copy of the gradients in its buckets (gradient_as_bucket_view=False,
@@ -59,12 +59,6 @@ class TorchDDP(Strategy):
                             enabled=self.settings.precision != "fp32"):
             logits = self.model(tokens.to(self.device))
         return loss_of(logits, labels.to(self.device))
-
-    def backward(self, loss):
-        self.scaler.scale(loss).backward()
-
-    def step(self):
-        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
 
     def holdings(self):
         params = list(self.module.parameters())

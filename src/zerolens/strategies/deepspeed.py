@@ -7,7 +7,7 @@ import io
 import torch
 
 from ..census import Holdings, MeasurementError, optimizer_state_tensors, required
-from .base import Strategy, TrainSettings, loss_of
+from .base import DTYPES, Strategy, TrainSettings, loss_of
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -291,7 +291,7 @@ class DeepSpeedStepModel(Strategy):
         if stage not in (0, 1, 2):
             raise ValueError(f"no step model for ZeRO-{stage}")
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
-        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[settings.precision]
+        self.dtype = DTYPES[settings.precision]
 
     def optimizer(self, params) -> torch.optim.Optimizer:
         # torch's AdamW as DeepSpeed builds it with torch_adam: foreach on CUDA (torch's default
@@ -352,14 +352,13 @@ class DeepSpeedStepModel(Strategy):
                 self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
             if self.bucket_used + p.numel() > self.bucket.numel():
                 self._reduce_bucket()
+            self.pending.append(p)
             if p.numel() > self.bucket.numel():
                 # A gradient larger than the bucket is reduced where it is (extra_large_param_to_reduce).
-                self.pending.append(p)
                 self._reduce_bucket()
             else:
                 self.bucket[self.bucket_used:self.bucket_used + p.numel()].copy_(p.grad.reshape(-1))
                 self.bucket_used += p.numel()
-                self.pending.append(p)
             p.grad = None
 
     def _reduce_bucket(self) -> None:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors, required
-from .base import DTYPES, Strategy, TrainSettings, loss_of, scaled_step
+from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -32,7 +32,7 @@ def fsdp_param_groups(state) -> list:
     return [] if group is None else [group]
 
 
-class TorchFSDP2(Strategy):
+class TorchFSDP2(ScaledStrategy):
     """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard): every parameter sharded on dim 0 over the
     ranks, one FSDP group per repeated block (repeated_blocks) and one for the rest, the root.
     fp32 weights; in bf16/fp16 FSDP's MixedPrecisionPolicy gathers them in the run's precision and
@@ -41,6 +41,8 @@ class TorchFSDP2(Strategy):
     reshard_after_forward=False ("fsdp2-grad") keeps a group's gathered parameters from its forward
     to its backward, like ZeRO-2's whole parameters; True ("fsdp2") frees them after forward and
     gathers them again in backward, like ZeRO-3. Between steps both hold the same: the shards.
+    The step clips the global norm, as under DDP: the norm of DTensor gradients is reduced over the
+    ranks.
     """
 
     def __init__(self, settings: TrainSettings, *, reshard_after_forward: bool):
@@ -86,13 +88,6 @@ class TorchFSDP2(Strategy):
     def forward_loss(self, tokens, labels):
         logits = self.module(tokens.to(self.device))
         return loss_of(logits, labels.to(self.device))
-
-    def backward(self, loss):
-        self.scaler.scale(loss).backward()
-
-    def step(self):
-        # The norm of DTensor gradients is reduced over the ranks: the global norm, as under DDP.
-        return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
 
     def holdings(self):
         from torch.distributed.tensor import DTensor
