@@ -88,24 +88,30 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
         step_model.setup(model.to_empty(device=device), device)
-        # The rank's micro-batch: made on the CPU and, on CUDA, copied to the GPU in forward (the step
-        # model's forward_loss does, as the backend does), held by the graph only. A CUDA target
-        # traced on the CPU copies it in forward too; a CPU run holds it through the step.
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
+
+        @contextlib.contextmanager
+        def phase(name: str, into: dict):
+            reset_tracker_peak(tracker)
+            yield
+            into[name] = tracker_total(tracker, "peak")
+
         for step in range(steps):
             tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
-            reset_tracker_peak(tracker)
-            batch = (tokens.clone(), labels.clone()) if cuda_capability is None else (tokens, labels)
-            loss = step_model.forward_loss(*((t.clone() for t in batch) if cuda_capability and device.type == "cpu"
-                                             else batch))
-            traced.append({"forward": tracker_total(tracker, "peak")})
-            reset_tracker_peak(tracker)
-            step_model.backward(loss)
+            # The rank's micro-batch as the step sees it. A CPU run's loop holds it through the step.
+            # On CUDA it is copied to the GPU in forward and held by the graph only: on fake CUDA
+            # tensors forward_loss's .to(device) makes that copy; traced on the CPU, a clone stands in.
+            batch = (tokens, labels) if device.type == "cuda" else (tokens.clone(), labels.clone())
+            traced.append({})
+            with phase("forward", traced[-1]):
+                loss = step_model.forward_loss(*batch)
+            if cuda_capability is not None:
+                del batch
+            with phase("backward", traced[-1]):
+                step_model.backward(loss)
             del loss
-            traced[-1]["backward"] = tracker_total(tracker, "peak")
-            reset_tracker_peak(tracker)
-            step_model.step()
-            traced[-1]["step"] = tracker_total(tracker, "peak")
+            with phase("step", traced[-1]):
+                step_model.step()
         held = tracker_total(tracker, "current")
     workspace = cublas_workspace_bytes(cuda_capability)
     out = {f"peak_during_{phase}": max(t[phase] for t in traced) + workspace for phase in PHASES}
