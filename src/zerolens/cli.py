@@ -136,7 +136,7 @@ def estimate_parser(subparsers) -> None:
                               description="Per-rank memory by component for each strategy, from the parameter "
                                           "sizes alone: a built-in preset, your model, or a raw count.")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: case-study")
+    source.add_argument("--preset", choices=sorted(PRESETS), default="case-study")
     source.add_argument("--model", metavar="MODULE:FACTORY",
                         help="a function returning your nn.Module; it is built on the meta device")
     source.add_argument("--params", type=float, help="a raw parameter count, e.g. 7.5e9 (the paper's formulas)")
@@ -163,8 +163,6 @@ def estimate_model(args: argparse.Namespace):
     --activation-checkpointing), or --model with --batch; None for --params or --model alone."""
     if args.params is not None or (args.model and not args.batch):
         return None
-    if not args.model:
-        args.preset = args.preset or "case-study"
     return model_from_args(args)
 
 
@@ -203,8 +201,7 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         # As verify: the paper's fp16 for a count, a preset's GPU precision on CUDA, bf16 on CPU.
         precision = args.precision or ("fp16" if args.params is not None else "bf16" if args.device == "cpu" else
-                                       PRESET_GPU_PRECISION.get(None if args.model else args.preset or "case-study",
-                                                                "bf16"))
+                                       PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16"))
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
                           model_config=model_config, micro_batch=args.micro_batch,

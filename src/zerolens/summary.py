@@ -151,7 +151,8 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         "verdict": "PASS" if all(c["passed"] for c in checks) else "FAIL",
         "world_size": config.nproc, "device": config.device, "precision": config.precision,
         "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),
-        "notes": notes, "headline_notes": headline_notes, "checks": checks, "not_checked": not_checked, "strategies": strategies, "versions": versions,
+        "notes": notes, "headline_notes": headline_notes, "checks": checks, "not_checked": not_checked,
+        "strategies": strategies, "versions": versions,
     }
 
 
@@ -210,18 +211,19 @@ def bucket_notes(config: RunConfig, strategies: dict, psi: int) -> tuple[list[st
         if registry.spec(name).reduce_bucket is None:
             continue
         peak = strategies[name]["ranks"][0]["peak_bytes"]
+        kept = lifetime[registry.spec(name).reduce_bucket]
         measured = ("" if peak is None or base is None else
                     f" Measured on rank 0: peak {peak / MiB:.1f} MiB under {name} against "
                     f"{base / MiB:.1f} MiB under {config.baseline}"
                     + (", so sharding costs memory here." if peak > base else "."))
         headlines.append(
-            f"{name}: its {bucket / MiB:.1f} MiB reduce bucket ({lifetime[registry.spec(name).reduce_bucket]}) "
+            f"{name}: its {bucket / MiB:.1f} MiB reduce bucket ({kept}) "
             f"outweighs all {grads / MiB:.1f} MiB of gradients"
             + ("" if peak is None or base is None else f"; peak {peak / MiB:.1f} MiB against {base / MiB:.1f} MiB")
             + f". Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}.")
         notes.append(
             f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {bucket / MiB:.1f} MiB "
-            f"buffer {lifetime[registry.spec(name).reduce_bucket]}, while all of this model's gradients take {grads / MiB:.1f} MiB."
+            f"buffer {kept}, while all of this model's gradients take {grads / MiB:.1f} MiB."
             f"{measured} Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}: at most one "
             "rank's share of the gradients.")
     return notes, headlines
