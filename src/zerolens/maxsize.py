@@ -151,7 +151,7 @@ def run_maxsize(config, out: Path, command: str) -> int:
                 return None
             limit["bytes"] = bench["memory_limit_bytes"]
             peak = bench["strategies"][name]["peak_bytes"]
-            print(f"fits, peak {peak / 2**30:.2f} GiB", flush=True)
+            print(f"fits, peak {peak / GiB:.2f} GiB", flush=True)
             return peak
         try:
             results[name] = largest_fitting_depth(trial, lambda: limit["bytes"])

@@ -23,6 +23,7 @@ import torch
 
 from .model import ModelConfig, meta_model
 from .strategies import TrainSettings, registry
+from .tables import MiB
 
 PHASES = ("forward", "backward", "step")
 PREDICTED_PEAKS = "predicted_peaks.json"  # in a run folder: made before training (worker.py)
@@ -30,7 +31,6 @@ PREDICTED_PEAKS = "predicted_peaks.json"  # in a run folder: made before trainin
 # the third is every later one. The peaks are each phase's highest over them, as the CUDA
 # measurement's are over every step; `last_step` is the third alone, as the CPU measurement's.
 STEPS = 3
-MiB = 1024 ** 2
 
 
 def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:

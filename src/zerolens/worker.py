@@ -41,7 +41,7 @@ from .runfolder import default_run_folder, is_run_folder, new_run_folder, result
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
 from .summary import build_summary
-from .tables import say
+from .tables import MiB, say
 from .train import Phase, train
 
 
@@ -241,7 +241,7 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
         left_by_earlier += left
         if left and stop_on_leftover and i + 1 < len(todo):
             if rank == 0 and not quiet:
-                say(f"zerolens: {name} left {left / 2**20:.1f} MiB allocated: the next strategies start in fresh "
+                say(f"zerolens: {name} left {left / MiB:.1f} MiB allocated: the next strategies start in fresh "
                     "processes")
             return False
     return True
