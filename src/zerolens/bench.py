@@ -74,12 +74,13 @@ def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, de
         # Another launcher ran it after a strategy that left memory allocated: that memory is in these
         # peaks, which are then kept aside under a name that says so, never reported as its own.
         earlier = max(r.get("earlier_strategies_left_bytes", 0) for r in per_rank)
+        peak = max(peaks) if None not in peaks and not earlier else None
         strategies[name] = {
             "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
             "warmup_step_times_s": step_seconds[:config.warmup_steps],
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
             "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
-            "peak_bytes": max(peaks) if None not in peaks and not earlier else None,
+            "peak_bytes": peak,
             "peak_bytes_per_rank": peaks if not earlier else [None] * len(peaks),
             "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank] if not earlier else None,
             "allocated_at_start_bytes_per_rank": [r["allocated_at_start_bytes"] for r in per_rank],
@@ -87,8 +88,7 @@ def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, de
             "peak_bytes_including_earlier_strategies_per_rank": peaks if earlier else None,
             "left_allocated_after_teardown_bytes": per_rank[0].get("left_allocated_by_this_strategy_bytes", 0),
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
-            **predicted_peak(config, (predicted or {}).get(name), max(peaks) if None not in peaks and not earlier
-                             else None),
+            **predicted_peak(config, (predicted or {}).get(name), peak),
         }
     for s in strategies.values():
         ref = strategies.get(REFERENCE)
