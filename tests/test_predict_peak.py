@@ -1,5 +1,6 @@
-"""The peak prediction (predict_peak.py): pure (no process group, no memory), consistent with the
-layout theory, and equal to the CPU measurement of every phase within 1% (the check verify makes)."""
+"""The peak prediction (predict_peak.py): pure (no memory; a fake process group only while it traces),
+consistent with the layout theory, and equal to the CPU measurement of every phase within 1% (the
+check verify makes)."""
 import json
 
 import pytest
@@ -9,7 +10,7 @@ from zerolens.model import PRESETS, parameter_shapes
 from zerolens.predict_peak import cublas_workspace_bytes, predict_peaks
 from zerolens.strategies import TrainSettings, registry
 
-PREDICTED = ("ddp", "zero0", "zero1", "zero2")
+PREDICTED = ("ddp", "zero0", "zero1", "zero2", "fsdp2-grad", "fsdp2")
 
 
 @pytest.mark.parametrize("name", PREDICTED)
@@ -20,7 +21,9 @@ def test_what_the_step_model_keeps_after_the_step_is_the_layout_theorys(name, wo
     model = PRESETS["gpt-tiny"]
     settings = TrainSettings(precision="bf16", world_size=world_size, micro_batch=2)
     predicted = predict_peaks(name, model, settings, rank=rank, cuda_capability=(9, 0))
-    kept = registry.predict_retained(name, [s.numel() for s in parameter_shapes(model)], world_size, rank, "bf16")
+    shapes = parameter_shapes(model)
+    kept = registry.predict_retained(name, [s.numel() for s in shapes], world_size, rank, "bf16",
+                                     param_shapes=[tuple(s) for s in shapes])
     assert predicted["held_after_step_bytes"] - predicted["cublas_workspace_bytes"] == (
         kept["param_bytes"] + kept["optimizer_state_bytes"] + kept["grad_bytes_after_step"]
         + kept["comm_buffer_bytes_after_backward"])
@@ -78,3 +81,72 @@ def test_a_model_that_cannot_be_traced_is_not_predicted_and_says_why(monkeypatch
     assert predicted["ddp"]["why_not"] == "the trace on fake tensors failed (RuntimeError: data-dependent output)"
     assert "more lines" in predicted["ddp"]["traceback"]  # kept whole in predicted_peaks.json
     assert "does not predict zero3" in predicted["zero3"]["why_not"]
+
+
+def test_the_trace_leaves_no_process_group_behind_even_when_it_fails(monkeypatch):
+    """The trace runs as its rank under a fake default process group (FSDP2's own code needs one),
+    destroyed afterwards whatever happens: the next trace, or another test, makes its own."""
+    import torch.distributed as dist
+    from zerolens.strategies.fsdp2 import TorchFSDP2StepModel
+    settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    predict_peaks("fsdp2", PRESETS["gpt-tiny"], settings, rank=1, steps=1)
+    assert not dist.is_initialized()
+
+    def fails(self):
+        raise RuntimeError("the step failed")
+    monkeypatch.setattr(TorchFSDP2StepModel, "step", fails)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        predict_peaks("fsdp2", PRESETS["gpt-tiny"], settings, steps=1)
+    assert not dist.is_initialized()
+
+
+def test_a_process_with_a_process_group_is_told_to_predict_in_a_fresh_one():
+    """A training worker's default process group leaves no room for the trace's fake one."""
+    import torch.distributed as dist
+    from zerolens.predict_peak import predict_or_why_not
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        predicted = predict_or_why_not("ddp", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", world_size=1))
+    finally:
+        dist.destroy_process_group()
+    assert "predict in a fresh process" in predicted["why_not"]
+
+
+def saved_run_config(folder, **settings):
+    """A run's config, saved in `folder` as config.json (as zerolens saves it before the workers start)."""
+    from zerolens.config import RunConfig, save_config
+    config = RunConfig(**{"strategies": ("fsdp2-grad", "fsdp2"), "baseline": "fsdp2-grad", "nproc": 3,
+                          "preset": "gpt-tiny", "model": PRESETS["gpt-tiny"], "micro_batch": 2, **settings})
+    save_config(config, folder / "config.json", "test")
+    return config
+
+
+def test_a_fresh_process_predicts_what_this_one_does(tmp_path):
+    """What a training worker's rank 0 runs: the run folder's config.json in, predicted_peaks.json
+    out, each FSDP2 rank traced (the last one of 3 keeps fewer rows of gpt-tiny's parameters). The
+    first FSDP2 trace in a process counts no DTensor shape work (fake global-size tensors, made
+    once per process): its step peaks as every later step's."""
+    from zerolens.predict_peak import PREDICTED_PEAKS, predict_in_fresh_process
+    config = saved_run_config(tmp_path)
+    predicted = predict_in_fresh_process(config, tmp_path, None)
+    assert json.loads((tmp_path / PREDICTED_PEAKS).read_text()) == predicted
+    settings = config.train_settings()
+    for name in config.strategies:
+        ranks = predicted[name]["ranks"]
+        assert ranks[2]["peak_during_step"] < ranks[0]["peak_during_step"]
+        assert ranks[2] == predict_peaks(name, config.model, settings, rank=2)
+        assert all(r["peak_during_step"] == r["last_step"]["peak_during_step"] for r in ranks)
+
+
+def test_a_prediction_that_fails_or_takes_too_long_leaves_each_strategy_why_not(tmp_path):
+    """The run goes on without a prediction: each strategy says why, with what the process said."""
+    from zerolens.predict_peak import PREDICTED_PEAKS, predict_in_fresh_process
+    config = saved_run_config(tmp_path, timeout=0.2)  # half of it for the prediction: too little to start
+    predicted = predict_in_fresh_process(config, tmp_path, None)
+    assert predicted["fsdp2"]["why_not"] == "the prediction took more than 0.1 s, and its process was ended"
+    assert json.loads((tmp_path / PREDICTED_PEAKS).read_text()) == predicted
+    config = saved_run_config(tmp_path)
+    (tmp_path / "config.json").unlink()
+    predicted = predict_in_fresh_process(config, tmp_path, None)
+    assert predicted["fsdp2"]["why_not"].startswith("the prediction's process failed (exit code 1: FileNotFoundError")
+    assert "Traceback" in predicted["fsdp2"]["traceback"]

@@ -1,11 +1,13 @@
 """The peak each rank reaches, per phase, predicted before anything trains.
 
 A strategy's step model (its registry entry's `step_model`) does on one rank what its backend
-allocates, without a process group: the same model and precision recipe, torch's own optimizer and
-loss (their temporaries are real ops), and the backend's buffers, sized by the layout theory and
-allocated when its source allocates them. The step runs under FakeTensorMode, so no tensor has
-memory (a 70B model costs nothing), and torch's MemTracker follows every storage at the dispatch
-level, as zerolens's CPU measurement does, over three steps (STEPS).
+allocates: the same model and precision recipe, torch's own optimizer and loss (their temporaries
+are real ops), and the backend's buffers, sized by the layout theory and allocated when its source
+allocates them (DDP, DeepSpeed), or the backend's own code (FSDP2). The step runs as that rank
+under a fake process group (fake_process_group: collectives that move nothing) and FakeTensorMode,
+so no tensor has memory (a 70B model costs nothing), and torch's MemTracker follows every storage
+at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS). A training
+worker, which has a process group of its own, predicts in a fresh process (predict_in_fresh_process).
 
 On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor).
 Not predicted: the allocator's rounding beyond 512 bytes, fragmentation (reserved minus allocated),
@@ -14,10 +16,12 @@ and buffers a kernel allocates and frees inside one operation (invisible at the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import traceback
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -85,6 +89,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
+        stack.enter_context(fake_process_group(rank, settings.world_size))
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
         step_model.setup(model.to_empty(device=device), device)
@@ -122,6 +127,25 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
                   "batch_bytes": tokens.nbytes + labels.nbytes}
 
 
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """torch.distributed's default process group as rank `rank` of `world_size` sees it, for the
+    trace: a fake one (torch's FakeProcessGroup), whose collectives return at once and move no data,
+    so that a backend's own code (FSDP2's) runs as on that rank. Destroyed afterwards, whatever
+    happens. Where a default group exists already (a training worker's), there cannot be a second:
+    predict there in a fresh process (predict_in_fresh_process)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    if dist.is_initialized():
+        raise RuntimeError("this process has a default process group already, and the trace needs a fake one "
+                           "of its own: predict in a fresh process (predict_peak.predict_in_fresh_process)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
     """Where the step is traced: for a CUDA target on fake CUDA tensors where this torch can make them
     (a GPU is visible: CUDA's autocast rules, attention kernels and 512-byte rounding then apply),
@@ -156,13 +180,15 @@ def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: s
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
-    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}. Only a flat
-    partition (ZeRO-1/2) gives ranks different buffers in the step models: the others are traced
-    once. A model that cannot be traced on fake tensors is not predicted, and its run goes on; the
-    traceback is kept (`traceback`) in case the fault is a step model's."""
+    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}. A strategy
+    that shards gradients and optimizer states gives each rank its own slice (ZeRO-1/2's cut across
+    parameters; FSDP2's last ranks keep fewer rows where a dim 0 does not divide by N, so less
+    optimizer state): each rank is traced. Without sharding every rank allocates alike, and rank 0
+    is traced for all. A model that cannot be traced on fake tensors is not predicted, and its run
+    goes on; the traceback is kept (`traceback`) in case the fault is a step model's."""
     if registry.spec(name).step_model is None:
         return {"why_not": not_predicted_yet(name)}
-    ranks = range(settings.world_size) if registry.spec(name).flat_partition else [0]
+    ranks = range(settings.world_size) if registry.spec(name).shards_gradients else [0]
     try:
         peaks = [predict_peaks(name, model_config, settings, rank=r, **options) for r in ranks]
     except Exception as e:
@@ -170,3 +196,65 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
         return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
                 "traceback": traceback.format_exc()}
     return {"ranks": peaks if len(peaks) == settings.world_size else peaks * settings.world_size}
+
+
+# How long rank 0 waits for the prediction's process (predict_in_fresh_process) at most, while the
+# other ranks wait for rank 0 in a barrier (NCCL's times out after 10 minutes).
+PREDICTION_TIMEOUT_S = 300
+
+
+def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[int, int] | None) -> dict:
+    """predicted_peaks of a run (a RunConfig, saved in `run_folder` as config.json), made by a fresh
+    Python process (`python -m zerolens.predict_peak`) and written to the run folder's
+    predicted_peaks.json: a training worker cannot trace in its own process, whose default process
+    group leaves no room for the trace's fake one, and where a backend may have patched torch
+    (DeepSpeed's ZeRO-3 does). A process that fails, or is still running after PREDICTION_TIMEOUT_S
+    (or half the hang watchdog's --timeout, which would end every rank), leaves each strategy a
+    `why_not`, with what the process wrote on stderr (`traceback`)."""
+    import subprocess
+    import sys
+
+    from .report import write_json
+    timeout = PREDICTION_TIMEOUT_S if config.timeout is None else min(PREDICTION_TIMEOUT_S, config.timeout / 2)
+    command = [sys.executable, "-m", "zerolens.predict_peak", str(run_folder)]
+    if cuda_capability is not None:
+        command += ["--cuda-capability", ".".join(map(str, cuda_capability))]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        why, stderr = f"the prediction took more than {timeout:g} s, and its process was ended", e.stderr
+    else:
+        if result.returncode == 0:
+            return json.loads((run_folder / PREDICTED_PEAKS).read_text())
+        last_line = ([line for line in result.stderr.splitlines() if line.strip()] or [""])[-1]
+        why, stderr = f"the prediction's process failed (exit code {result.returncode}: {last_line})", result.stderr
+    if isinstance(stderr, bytes):  # TimeoutExpired keeps what was read before the end as bytes
+        stderr = stderr.decode(errors="replace")
+    predicted = {name: {"why_not": why_not_predicted(name, config) or why, "traceback": stderr or ""}
+                 for name in config.strategies}
+    write_json(run_folder / PREDICTED_PEAKS, predicted)
+    return predicted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m zerolens.predict_peak RUN_FOLDER [--cuda-capability MAJOR.MINOR]: what
+    predict_in_fresh_process runs."""
+    import argparse
+
+    from .config import load_config
+    from .report import write_json
+    parser = argparse.ArgumentParser(prog="python -m zerolens.predict_peak",
+                                     description="Each strategy's peaks, predicted for the run in RUN_FOLDER "
+                                                 "(its config.json), into RUN_FOLDER/" + PREDICTED_PEAKS)
+    parser.add_argument("run_folder", type=Path)
+    parser.add_argument("--cuda-capability", type=lambda text: tuple(int(n) for n in text.split(".")), default=None,
+                        help="the GPU's compute capability, e.g. 9.0 (without it: a CPU run)")
+    args = parser.parse_args(argv)
+    registry.load_plugins()  # the run's strategies may come from plugins
+    config = load_config(str(args.run_folder / "config.json"))
+    write_json(args.run_folder / PREDICTED_PEAKS, predicted_peaks(config, args.cuda_capability))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -36,7 +36,7 @@ from .launch import OUT_OF_MEMORY
 from .data import rank_batches
 from .measure import MemoryProbe, StepTimer, clear_cublas_workspaces
 from .model import parameter_shapes
-from .predict_peak import PREDICTED_PEAKS, predicted_peaks
+from .predict_peak import PREDICTED_PEAKS, predict_in_fresh_process
 from .runfolder import default_run_folder, is_run_folder, new_run_folder, results_path
 from .strategies import make_strategy, registry
 from .checks import metrics_complete
@@ -389,11 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.config:  # zerolens wrote it; under another launcher rank 0 does
                 save_config(config, out / "config.json", command)
             if config.predict_peaks and not (out / PREDICTED_PEAKS).exists():
-                # Before anything trains, in a process no backend has touched yet (DeepSpeed's
-                # ZeRO-3 patches torch functions that the prediction's trace would then run).
+                # Before anything trains: a prediction made without the measurement.
                 phase.at(strategy="-", step=-1, name="predicting the peaks")
                 capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-                report.write_json(out / PREDICTED_PEAKS, predicted_peaks(config, capability))
+                predict_in_fresh_process(config, out, capability)
         dist.barrier()  # the folder is ready before any rank writes into it
         finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume,
                                   quiet=args.quiet)

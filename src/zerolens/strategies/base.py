@@ -70,6 +70,24 @@ def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, cli
     return scale_before is None or scaler.get_scale() >= scale_before
 
 
+def scaled_step_without_reading_values(scaler, optimizer: torch.optim.Optimizer, module: nn.Module,
+                                       clipping: float) -> bool:
+    """scaled_step's work for the peak prediction's step models, whose fake tensors have no values:
+    fp16's unscale and scale update, the clip, the optimizer's step, the zeroing, without the
+    scaler's reads (its scale, and whether a gradient was inf or nan: the step is taken)."""
+    if scaler.is_enabled():
+        scaler.unscale_(optimizer)
+    if clipping > 0:
+        nn.utils.clip_grad_norm_(module.parameters(), clipping)
+    optimizer.step()
+    if scaler.is_enabled():
+        # The new scale given, not computed: FSDP2's ShardedGradScaler computes it on the CPU by
+        # reading "found inf". Given or computed, it is written in place, allocating nothing.
+        scaler.update(new_scale=1.0)
+    optimizer.zero_grad(set_to_none=True)
+    return True
+
+
 class Strategy(abc.ABC):
     name: str
 

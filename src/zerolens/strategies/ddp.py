@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors, required
-from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device
+from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device, scaled_step_without_reading_values
 
 
 class TorchDDP(ScaledStrategy):
@@ -105,17 +105,8 @@ class TorchDDPStepModel(TorchDDP):
         return super().forward_loss(tokens, labels)
 
     def step(self):
-        """scaled_step's work without reading a value (fake tensors have none): fp16's unscale and
-        scale update, the clip, AdamW's step, the zeroing."""
-        if self.scaler.is_enabled():
-            self.scaler.unscale_(self.optimizer)
-        if self.settings.gradient_clipping > 0:
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.settings.gradient_clipping)
-        self.optimizer.step()
-        if self.scaler.is_enabled():
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return True
+        return scaled_step_without_reading_values(self.scaler, self.optimizer, self.module,
+                                                  self.settings.gradient_clipping)
 
     def optimizer_options(self) -> dict:
         # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on

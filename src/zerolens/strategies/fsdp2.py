@@ -1,11 +1,13 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors, required
-from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of
+from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device, scaled_step_without_reading_values
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -56,18 +58,20 @@ class TorchFSDP2(ScaledStrategy):
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=DTYPES[self.settings.precision], reduce_dtype=torch.float32)
 
-    def setup(self, model, device):
+    def device_mesh(self, device):
+        """All ranks in one dimension. On CPU the mesh's collectives go through gloo, which has the
+        all-gather and the reduce-scatter FSDP2 calls (torch 2.13); a one-dimensional mesh over all
+        ranks reuses the default process group (device_mesh.py), so nothing is created per strategy."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(device.type, (dist.get_world_size(),))
+
+    def setup(self, model, device):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         self.device = device
-        self.module = model.to(device)
-        # On CPU the mesh's collectives go through gloo, which has the all-gather and the
-        # reduce-scatter FSDP2 calls (torch 2.13); a one-dimensional mesh over all ranks reuses
-        # the default process group (device_mesh.py), so nothing is created per strategy.
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+        self.module = on_device(model, device)
+        options = dict(mesh=self.device_mesh(device), reshard_after_forward=self.reshard_after_forward,
                        mp_policy=self.mixed_precision())
         blocks = repeated_blocks(self.module)
         for block in blocks:  # bottom-up: a group takes the parameters no inner group has taken
@@ -79,11 +83,14 @@ class TorchFSDP2(ScaledStrategy):
                             for group in fsdp_param_groups(fully_shard.state(module))
                             for fsdp_param in required(group, "fsdp_params")]
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.settings.lr,
-                                           fused=self.settings.fused_adam or None)
+                                           fused=self.settings.fused_adam or None, **self.optimizer_options())
         # fp16 needs loss scaling; ShardedGradScaler all-reduces "found inf" over the ranks, since
         # each rank sees only its shard of the gradients. Disabled, it does nothing.
         self.scaler = ShardedGradScaler(device.type, enabled=self.settings.precision == "fp16")
         self.block_count = len(blocks)
+
+    def optimizer_options(self) -> dict:
+        return {}
 
     def forward_loss(self, tokens, labels):
         logits = self.module(tokens.to(self.device))
@@ -143,3 +150,57 @@ class TorchFSDP2(ScaledStrategy):
                     "and gathers all its parameters at once"]
         return [f"{self.name}: FSDP2 shards each of the {self.block_count} blocks in the model's nn.ModuleLists as a "
                 "group of its own, and the remaining parameters with the root"]
+
+
+class TorchFSDP2StepModel(TorchFSDP2):
+    """What FSDP2 allocates on one rank, for the peak prediction (predict_peak.py): FSDP2 itself,
+    set up as TorchFSDP2 sets it up, on fake tensors under the fake process group the prediction
+    makes for the rank (predict_peak.fake_process_group). Its all-gather outputs, reduce-scatter
+    inputs and sharded gradients are allocated, resized and freed where a real run's are; the
+    collectives move no data. The step is scaled_step's without the scaler's reads."""
+
+    def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, reshard_after_forward: bool):
+        super().__init__(settings, reshard_after_forward=reshard_after_forward)
+        self.cuda = cuda
+
+    def device_mesh(self, device):
+        from torch.utils._python_dispatch import _disable_current_modes
+        # The mesh reads its ranks from a tensor (DeviceMesh.__init__: tolist), which a fake tensor
+        # cannot give, and keeps it: made outside the trace, it is neither fake nor counted, as in a
+        # real run, where it is made before the memory is measured.
+        with _disable_current_modes():
+            return super().device_mesh(device)
+
+    def optimizer_options(self) -> dict:
+        # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on
+        # the CPU it would not.
+        return {} if self.settings.fused_adam else {"foreach": self.cuda}
+
+    def step(self):
+        # The step is where DTensor ops run (the clip's norms, AdamW on the shards, the zeroing).
+        with dtensor_shapes_untraced():
+            return scaled_step_without_reading_values(self.scaler, self.optimizer, self.module,
+                                                      self.settings.gradient_clipping)
+
+
+@contextlib.contextmanager
+def dtensor_shapes_untraced():
+    """DTensor works out an op's output shape the first time it meets the op with those shapes, by
+    running it on fake tensors of the global shape (ShardingPropagator._propagate_tensor_meta_non_cached,
+    whose result is cached for the process). A real run allocates nothing for that, but the trace's
+    tracker would count every such tensor: a foreach op's are every parameter's whole size (2 MiB more
+    in the first optimizer step of the first trace on gpt-tiny). Here that work runs with the trace's
+    modes set aside, on fake tensors of its own."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagate = propagator._propagate_tensor_meta_non_cached
+
+    def untraced(op_schema):
+        with _disable_current_modes():
+            return propagate(op_schema)
+    propagator._propagate_tensor_meta_non_cached = untraced
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # the class's own again

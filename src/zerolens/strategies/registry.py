@@ -159,7 +159,7 @@ register(StrategySpec(
 for name, reshard in (("fsdp2-grad", False), ("fsdp2", True)):
     register(StrategySpec(
         name=name, backend=FSDP2, options={"reshard_after_forward": reshard}, needs_deepspeed=False, paper_stage=3,
-        shards_gradients=True, transient_code=FSDP2_CODE,
+        shards_gradients=True, transient_code=FSDP2_CODE, step_model="zerolens.strategies.fsdp2:TorchFSDP2StepModel",
         description="PyTorch FSDP2, " + ("full sharding" if reshard else "parameters kept gathered from forward to "
                                          "backward (reshard_after_forward=False, like ZeRO-2)"),
         layout=fsdp2_layout, unpadded=lambda psi, n, e: (4 * psi / n, 4 * psi / n, 8 * psi / n, 0)))
