@@ -160,6 +160,7 @@ class TorchFSDP2StepModel(TorchFSDP2):
     collectives move no data. The step is scaled_step's without the scaler's reads."""
 
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, reshard_after_forward: bool):
+        # FSDP2 reads the rank (and so which rows it keeps) from the fake process group, made for it.
         super().__init__(settings, reshard_after_forward=reshard_after_forward)
         self.cuda = cuda
 
