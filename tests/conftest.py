@@ -36,3 +36,15 @@ def run(cmd: list[str], *, timeout: float, cwd=None, env=None) -> subprocess.Com
 
 def zerolens(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "zerolens", *args], timeout=timeout, **kw)
+
+
+@pytest.fixture
+def unpredicted_strategy(monkeypatch) -> str:
+    """The name of a strategy without a step model, registered for one test: DDP under another name
+    (every strategy zerolens registers has a step model)."""
+    import dataclasses
+
+    from zerolens.strategies import registry
+    spec = dataclasses.replace(registry.spec("ddp"), name="ddp-unpredicted", step_model=None)
+    monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
+    return spec.name

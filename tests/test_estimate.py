@@ -74,10 +74,10 @@ def test_a_parameter_count_uses_the_same_layouts_as_the_sizes(capsys):
     assert fp32["strategies"]["zero2"]["components"]["param_bytes"] == 4e9
 
 
-def test_the_default_precision_is_what_verify_runs_on_gpus(capsys):
-    # zero3: no peak is traced (the precision is what this tests).
-    assert run_json(capsys, "--preset", "gpt-1b", "--strategies", "zero3")["precision"] == "bf16"
-    assert run_json(capsys, "--preset", "case-study", "--strategies", "zero3")["precision"] == "fp16"
+def test_the_default_precision_is_what_verify_runs_on_gpus(capsys, unpredicted_strategy):
+    # A strategy without a step model: no peak is traced (the precision is what this tests).
+    assert run_json(capsys, "--preset", "gpt-1b", "--strategies", unpredicted_strategy)["precision"] == "bf16"
+    assert run_json(capsys, "--preset", "case-study", "--strategies", unpredicted_strategy)["precision"] == "fp16"
 
 
 @pytest.mark.slow
@@ -87,22 +87,23 @@ def test_one_unit_per_table(capsys):
     assert "Per rank, GiB (1024-based)" in out and " MiB" not in out
 
 
-def test_the_peak_of_every_rank_is_predicted_where_there_is_a_step_model(capsys):
+def test_the_peak_of_every_rank_is_predicted_where_there_is_a_step_model(capsys, unpredicted_strategy):
     from zerolens.model import PRESETS
     from zerolens.predict_peak import predict_peaks
     from zerolens.strategies import TrainSettings
-    result = run_json(capsys, "--preset", "gpt-tiny", "--strategies", "ddp,zero2,zero3", "--nproc", "3",
-                      "--micro-batch", "4", "--device", "cpu")
+    result = run_json(capsys, "--preset", "gpt-tiny", "--strategies", f"ddp,zero2,zero3,{unpredicted_strategy}",
+                      "--nproc", "3", "--micro-batch", "4", "--device", "cpu")
     assert result["micro_batch"] == 4 and result["device"] == "cpu"
     settings = TrainSettings(precision="bf16", world_size=3, micro_batch=4)
-    for name in ("ddp", "zero2"):
+    for name in ("ddp", "zero2", "zero3"):
         for rank in result["strategies"][name]["ranks"]:
             expected = predict_peaks(name, PRESETS["gpt-tiny"], settings, rank=rank["rank"])
             assert {k: rank[k] for k in expected if k.startswith("peak")} == {
                 k: v for k, v in expected.items() if k.startswith("peak")}
             assert rank["peak_bytes"] > rank["retained_total_bytes"]
-    assert "does not predict zero3" in result["strategies"]["zero3"]["peak_not_predicted"]
-    assert "peak_bytes" not in result["strategies"]["zero3"]["ranks"][0]
+    unpredicted = result["strategies"][unpredicted_strategy]
+    assert f"does not predict {unpredicted_strategy}" in unpredicted["peak_not_predicted"]
+    assert "peak_bytes" not in unpredicted["ranks"][0]
 
 
 def test_a_model_without_a_batch_function_gets_no_peak(capsys):

@@ -267,6 +267,14 @@ def reduce_buckets(optimizer) -> list[torch.Tensor]:
     return list(required(optimizer, "ipg_buffer") or [])
 
 
+def torch_adamw(params, settings: TrainSettings, cuda: bool) -> torch.optim.Optimizer:
+    """torch's AdamW as DeepSpeed builds it with torch_adam, for the step models: foreach on CUDA
+    (torch's default there, which the CPU would not pick when a CUDA run is traced on it), unless
+    fused."""
+    fused = settings.fused_adam
+    return torch.optim.AdamW(params, lr=settings.lr, fused=fused or None, **({} if fused else {"foreach": cuda}))
+
+
 class DeepSpeedStepModel(Strategy):
     """What DeepSpeed at ZeRO stage 0, 1 or 2 allocates on one rank, without a process group, for
     the peak prediction (predict_peak.py). Read from DeepSpeed 0.19's source:
@@ -293,13 +301,6 @@ class DeepSpeedStepModel(Strategy):
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = DTYPES[settings.precision]
 
-    def optimizer(self, params) -> torch.optim.Optimizer:
-        # torch's AdamW as DeepSpeed builds it with torch_adam: foreach on CUDA (torch's default
-        # there), unless fused.
-        fused = self.settings.fused_adam
-        return torch.optim.AdamW(params, lr=self.settings.lr, fused=fused or None,
-                                 **({} if fused else {"foreach": self.cuda}))
-
     def setup(self, model, device):
         from ..theory import zero_partition_layout
         self.device = device
@@ -310,7 +311,7 @@ class DeepSpeedStepModel(Strategy):
                     p.data = p.data.to(self.dtype)
                 self.params = params
                 self.masters = [p.detach().float() for p in params] if self.dtype != torch.float32 else params
-                self.opt = self.optimizer(self.masters)
+                self.opt = torch_adamw(self.masters, self.settings, self.cuda)
             else:
                 numels = [p.numel() for p in params]
                 part = zero_partition_layout(numels, self.settings.world_size)[self.rank]
@@ -323,7 +324,7 @@ class DeepSpeedStepModel(Strategy):
                 self.flat, self.params = flat, params
                 # .clone().float(), as DeepSpeed makes it: a copy even in fp32.
                 self.master = flat[part.start:part.start + part.partition_elements].clone().float()
-                self.opt = self.optimizer([self.master])
+                self.opt = torch_adamw([self.master], self.settings, self.cuda)
                 self.in_partition = [params[i] for i in part.overlapping_params]
                 self.first_param_offset = sum(numels[:part.overlapping_params[0]]) if part.overlapping_params else 0
         self.module = model

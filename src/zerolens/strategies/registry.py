@@ -154,6 +154,7 @@ for stage in (1, 2):
 register(StrategySpec(
     name="zero3", backend=DEEPSPEED, options={"stage": 3}, needs_deepspeed=True, paper_stage=3,
     shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True, transient_code=DEEPSPEED_CODE,
+    step_model="zerolens.strategies.deepspeed_stage3:DeepSpeedStage3StepModel",
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
     unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0)))
 for name, reshard in (("fsdp2-grad", False), ("fsdp2", True)):
