@@ -215,6 +215,68 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def plan_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="which configurations fit a GPU's memory, predicted before training",
+                              description="Predict each rank's peak for every strategy, micro-batch, activation "
+                                          "checkpointing and bucket size; list what fits --gpu-memory, cheapest "
+                                          "first, and the deepest model of the preset's width each strategy can "
+                                          "train there. No GPU is used, except by --check.")
+    add_verify_arguments(p)
+    p.add_argument("--gpu-memory", required=True, metavar="SIZE",
+                   help="what the caching allocator may hold per GPU: 80GiB, 81920MiB, 80GB (10^9 bytes); "
+                        "a plain number is GiB")
+    p.add_argument("--micro-batches", default="1,2,4,8,16,32,64",
+                   help="micro-batches per rank to try (default 1,2,4,8,16,32,64; each from the smallest until "
+                        "one does not fit)")
+    p.add_argument("--reduce-bucket-sizes", default=None,
+                   help="comma-separated bucket sizes for the strategies that have one (default: --reduce-bucket-size)")
+    p.add_argument("--top", type=int, default=15, help="configurations shown (default 15; --json has all)")
+    p.add_argument("--no-depth", action="store_true", help="skip the search for the deepest model")
+    p.add_argument("--jobs", type=int, default=None, help="processes tracing in parallel (default: cores, at most 4)")
+    p.add_argument("--check", type=int, nargs="?", const=3, default=0, metavar="K",
+                   help="run short benches of the K cheapest fitting configurations (default 3) on this "
+                        "machine's GPUs, capped at --gpu-memory, to confirm they fit and time them")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
+    p.set_defaults(func=plan_command, device="cuda", strategies=",".join(registry.names()), preset="gpt-1b")
+
+
+def plan_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from . import plan
+    from .report import write_json
+    if args.device != "cuda":
+        raise UserError("plan predicts what fits on GPUs (--device cuda); on the CPU nothing runs out of memory")
+    memory = plan.parse_memory(args.gpu_memory)
+    micro_batches = plan.check_micro_batches(args.micro_batches)
+    buckets = plan.finite_bucket_sizes(args.reduce_bucket_sizes or str(args.reduce_bucket_size))
+    if args.top < 1 or (args.jobs is not None and args.jobs < 1) or args.check < 0:
+        raise UserError("--top and --jobs must be at least 1, --check at least 0")
+    gpus = torch_gpus() if args.check else None
+    config = config_from_args(args, gpus_visible=gpus if args.check else 0, checked=True)
+    if args.check and gpus < config.nproc:
+        raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "
+                        "--check, or on the machine that will train")
+    check_config(config, gpus_visible=gpus, running=bool(args.check))
+    out = run_folder(config, args.overwrite) if args.check else None
+    command = shlex.join(["zerolens", *argv])
+
+    def progress(line: str) -> None:
+        if not args.json:
+            say(f"zerolens plan: {line}", stderr=True)
+    result = plan.plan(config, memory=memory, micro_batches=micro_batches, reduce_bucket_sizes=buckets,
+                       cuda_capability=target_capability("cuda"), jobs=args.jobs or plan.default_jobs(),
+                       depth_search=not args.no_depth and config.model.kind != "user", progress=progress)
+    result["command"] = command
+    if args.check:
+        result["checked"] = plan.check_candidates(config, result, args.check, out, command, progress)
+        write_json(out / "plan.json", result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    say(*plan.render_plan(result, args.top), *(plan.render_checks(result["checked"]) if args.check else []),
+        *([f"plan.json: {out / 'plan.json'}"] if out else []))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -230,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     maxsize_parser(subparsers)
     sweep_parser(subparsers)
     estimate_parser(subparsers)
+    plan_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.func(args, argv)

@@ -450,11 +450,12 @@ def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
     return args.global_batch // nproc
 
 
-def check_config(config: RunConfig, gpus_visible: int | None = None) -> None:
+def check_config(config: RunConfig, gpus_visible: int | None = None, *, running: bool = True) -> None:
     """The checks that cost something, made once, before any worker starts: the GPUs are there
     (`gpus_visible`: none when a launcher placed the ranks), the releases zerolens knows, each
     DeepSpeed config through DeepSpeed's own config model, a user's model and batch run on the meta
-    device, and a layout every strategy can predict."""
+    device, and a layout every strategy can predict. Not `running` (a plan without --check): only
+    predicted, so DeepSpeed need not be installed."""
     if config.device == "cuda" and gpus_visible is not None and gpus_visible < config.nproc:
         fix = f"use --nproc {gpus_visible} or --device cpu" if gpus_visible else "use --device cpu"
         raise UserError(f"--device cuda with {config.nproc} processes needs {config.nproc} GPUs, but "
@@ -464,7 +465,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None) -> None:
     except ValueError as e:
         raise UserError(str(e)) from None
     check_supported("torch", torch.__version__)
-    if registry.needing_deepspeed(config.strategies):
+    if running and registry.needing_deepspeed(config.strategies):
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
                             f"{','.join(registry.without_deepspeed())})")

@@ -24,6 +24,15 @@ from ..theory import (ELEMENT_BYTES, RETAINED_KEYS, DeepSpeedLayout, Layout, dee
 # (params, gradients after backward, optimizer states, buffers kept) per rank from a parameter count
 # Ψ, the world size N and the bytes of a 16-bit-or-not element e, without padding.
 Unpadded = Callable[[float, int, int], tuple[float, float, float, float]]
+# Bytes each rank sends per step over the network, from Ψ, N and e as above, by the ring algorithms
+# NCCL and gloo use: an all-reduce sends 2(N-1)/N of its buffer, an all-gather or a reduce-scatter
+# (N-1)/N. Parameters below ZeRO-3's persistence threshold are counted as gathered.
+Communication = Callable[[float, int, int], float]
+
+
+def ring(psi_bytes: float, n: int) -> float:
+    """What each of `n` ranks sends to all-gather or reduce-scatter `psi_bytes` in a ring."""
+    return psi_bytes * (n - 1) / n
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +55,7 @@ class StrategySpec:
     step_model: str | None = None
     layout: Callable[[Layout], dict]  # retained bytes per component (theory.py)
     unpadded: Unpadded
+    communication: Communication | None = None  # None: not known (plan ranks it last)
 
     def build(self, settings):
         """The backend, ready for setup."""
@@ -135,13 +145,15 @@ register(StrategySpec(
     name="ddp", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False, transient_code=DDP_CODE,
     step_model="zerolens.strategies.ddp:TorchDDPStepModel",
     description="torch DistributedDataParallel: fp32 weights, autocast, gradient buckets beside the gradients",
-    layout=torch_ddp_layout, unpadded=lambda psi, n, e: (4 * psi, 4 * psi, 8 * psi, 4 * psi)))
+    layout=torch_ddp_layout, unpadded=lambda psi, n, e: (4 * psi, 4 * psi, 8 * psi, 4 * psi),
+    communication=lambda psi, n, e: 2 * ring(4 * psi, n)))  # all-reduce of the fp32 gradients
 register(StrategySpec(
     name="zero0", backend=DEEPSPEED, options={"stage": 0}, needs_deepspeed=True, paper_stage=0,
     shards_gradients=False, transient_code=DEEPSPEED_CODE, step_model=DEEPSPEED_STEP_MODEL,
     description="DeepSpeed without ZeRO (the case study's baseline)",
     layout=deepspeed_stage0_layout,
-    unpadded=lambda psi, n, e: (e * psi, e * psi, ((4 if e == 2 else 0) + 8) * psi, 0)))
+    unpadded=lambda psi, n, e: (e * psi, e * psi, ((4 if e == 2 else 0) + 8) * psi, 0),
+    communication=lambda psi, n, e: 2 * ring(e * psi, n)))  # all-reduce of the 16-bit gradients
 for stage in (1, 2):
     register(StrategySpec(
         name=f"zero{stage}", backend=DEEPSPEED, options={"stage": stage}, needs_deepspeed=True, paper_stage=stage,
@@ -150,20 +162,28 @@ for stage in (1, 2):
         description=f"DeepSpeed ZeRO-{stage}: " + ("optimizer states" if stage == 1 else "optimizer states and "
                                                    "gradients") + " partitioned",
         layout=deepspeed_flat_partition_layout,
-        unpadded=lambda psi, n, e: (e * psi, e * psi / n, 12 * psi / n, 0)))
+        unpadded=lambda psi, n, e: (e * psi, e * psi / n, 12 * psi / n, 0),
+        # Each reduce bucket all-reduced whole (stage_1_and_2.py: use_multi_rank_bucket_allreduce,
+        # True by default), then the updated 16-bit weights all-gathered.
+        communication=lambda psi, n, e: 3 * ring(e * psi, n)))
 register(StrategySpec(
     name="zero3", backend=DEEPSPEED, options={"stage": 3}, needs_deepspeed=True, paper_stage=3,
     shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True, transient_code=DEEPSPEED_CODE,
     step_model="zerolens.strategies.deepspeed_stage3:DeepSpeedStage3StepModel",
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
-    unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0)))
+    unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0),
+    # 16-bit weights all-gathered in forward and again in backward; gradients reduce-scattered.
+    communication=lambda psi, n, e: 3 * ring(e * psi, n)))
 for name, reshard in (("fsdp2-grad", False), ("fsdp2", True)):
     register(StrategySpec(
         name=name, backend=FSDP2, options={"reshard_after_forward": reshard}, needs_deepspeed=False, paper_stage=3,
         shards_gradients=True, transient_code=FSDP2_CODE, step_model="zerolens.strategies.fsdp2:TorchFSDP2StepModel",
         description="PyTorch FSDP2, " + ("full sharding" if reshard else "parameters kept gathered from forward to "
                                          "backward (reshard_after_forward=False, like ZeRO-2)"),
-        layout=fsdp2_layout, unpadded=lambda psi, n, e: (4 * psi / n, 4 * psi / n, 8 * psi / n, 0)))
+        layout=fsdp2_layout, unpadded=lambda psi, n, e: (4 * psi / n, 4 * psi / n, 8 * psi / n, 0),
+        # Weights all-gathered in the run's precision (again in backward when resharded), the
+        # gradients reduce-scattered in fp32 (fsdp2.py's MixedPrecisionPolicy).
+        communication=lambda psi, n, e, gathers=2 if reshard else 1: ring((gathers * e + 4) * psi, n)))
 
 BASELINE = "zero0"  # verify's default baseline
 VERIFY_DEFAULT = ("zero0", "zero2")  # the case study's comparison

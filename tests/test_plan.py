@@ -1,0 +1,96 @@
+"""`zerolens plan`: what fits a GPU's memory, predicted on fake tensors (no GPU, no process group)."""
+import json
+
+import pytest
+
+from conftest import zerolens
+from zerolens import plan
+from zerolens.config import RunConfig
+from zerolens.errors import UserError
+from zerolens.model import PRESETS
+from zerolens.tables import GiB, MiB
+
+
+def tiny(*strategies) -> RunConfig:
+    return RunConfig(strategies=strategies, baseline=strategies[0], device="cuda", preset="gpt-tiny",
+                     model=PRESETS["gpt-tiny"])
+
+
+@pytest.mark.parametrize("text, size", [("80GiB", 80 * GiB), ("81920MiB", 80 * GiB), ("80GB", 80 * 10**9),
+                                        ("24", 24 * GiB), ("0.5 gib", GiB // 2), ("1e3MiB", 1000 * MiB)])
+def test_memory_sizes(text, size):
+    assert plan.parse_memory(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GiB", "0", "80 GiBs", "80KiB"])
+def test_a_size_it_cannot_read_is_a_user_error(text):
+    with pytest.raises(UserError, match="--gpu-memory"):
+        plan.parse_memory(text)
+
+
+def test_what_fits_is_within_memory_and_what_does_not_is_said():
+    """ZeRO-2's 50M-element bf16 bucket (95 MiB) cannot fit in 80 MiB at any micro-batch; DDP fits
+    at small micro-batches, and stops being tried at the first that does not fit."""
+    memory = 80 * MiB
+    result = plan.plan(tiny("ddp", "zero2"), memory=memory, micro_batches=[1, 2, 4, 64], reduce_bucket_sizes=[50_000_000],
+                       cuda_capability=(9, 0), depth_search=False)
+    assert result["fits"] and all(r["peak_bytes"] <= memory and r["strategy"] == "ddp" for r in result["fits"])
+    assert all(r["headroom_bytes"] == memory - r["peak_bytes"] for r in result["fits"])
+    failing = {(r["strategy"], r["micro_batch"], r["checkpointing"]) for r in result["does_not_fit"]}
+    assert ("zero2", 1, False) in failing and ("zero2", 1, True) in failing
+    assert all(r["peak_bytes"] > memory for r in result["does_not_fit"])
+    # Cheapest first: no recomputation before recomputation, then fewer bytes sent per sample.
+    keys = [plan.cost_key(r) for r in result["fits"]]
+    assert keys == sorted(keys)
+    assert result["fits"][0]["checkpointing"] is False
+    # The peak grows with the micro-batch: a larger one than a failing one is not tried.
+    ddp_plain = {r["micro_batch"] for r in result["fits"] + result["does_not_fit"]
+                 if r["strategy"] == "ddp" and not r["checkpointing"]}
+    assert 64 not in ddp_plain or max(ddp_plain) == 64
+
+
+def test_the_deepest_model_fits_and_one_layer_more_does_not():
+    memory = 84 * MiB
+    deepest = plan.largest_depth(tiny("ddp"), memory, (9, 0))
+    assert deepest["max_depth"] >= 2
+    assert deepest["peak_bytes"] <= memory < deepest["next_peak_bytes"]
+    assert deepest["traced"][str(deepest["max_depth"] + 1)] == deepest["next_peak_bytes"]
+
+
+def test_a_bigger_bucket_is_a_configuration_of_its_own():
+    result = plan.plan(tiny("zero2"), memory=2 * GiB, micro_batches=[1], reduce_bucket_sizes=[200_000, 50_000_000],
+                       cuda_capability=(9, 0), depth_search=False)
+    peaks = {r["reduce_bucket_size"]: r["peak_bytes"] for r in result["fits"] if not r["checkpointing"]}
+    assert set(peaks) == {200_000, 50_000_000} and peaks[50_000_000] > peaks[200_000]
+
+
+def test_plan_command_json():
+    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "ddp,zero2",
+                      "--micro-batches", "1,4", "--no-depth", "--jobs", "1", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["gpu_memory_bytes"] == 80 * MiB and out["world_size"] == 2 and out["precision"] == "bf16"
+    assert {r["strategy"] for r in out["fits"]} == {"ddp"}
+    assert {r["strategy"] for r in out["does_not_fit"]} == {"zero2"}
+    assert all(r["sent_per_step_bytes"] > 0 for r in out["fits"])
+
+
+def test_plan_command_table_with_the_deepest_model():
+    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "84MiB", "--strategies", "ddp",
+                      "--micro-batches", "1", "--jobs", "1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "configurations fit" in result.stdout and "The deepest gpt-tiny (width 64)" in result.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-memory", "lots"], "--gpu-memory takes a size"),
+    (["--gpu-memory", "8GiB", "--device", "cpu"], "plan predicts what fits on GPUs"),
+    (["--gpu-memory", "8GiB", "--micro-batches", "0"], "--micro-batches needs positive values"),
+    (["--gpu-memory", "8GiB", "--reduce-bucket-sizes", "inf"], "--reduce-bucket-sizes takes positive, finite"),
+    (["--gpu-memory", "8GiB", "--check"], "--check runs the candidates on 2 GPUs"),
+    (["--gpu-memory", "8GiB", "--strategies", "zero4"], "unknown strategy"),
+])
+def test_user_errors_are_one_line(flags, message, tmp_path):
+    result = zerolens("plan", "--preset", "gpt-tiny", *flags, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
