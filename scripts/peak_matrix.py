@@ -118,13 +118,27 @@ def main() -> int:
     return 0
 
 
+def peaks_of(summary: dict) -> dict:
+    """What the matrix keeps of a point's summary.json: each rank's measured and predicted peaks."""
+    keys = ("rank", "peak_during_forward", "peak_during_backward", "peak_during_step", "peak_bytes",
+            "reserved_peak_bytes", "predicted_peaks")
+    return {"verdict": summary["verdict"], "precision": summary["precision"], "versions": summary["versions"],
+            "checks": [c for c in summary["checks"] if c["name"].startswith("peak as predicted")],
+            "strategies": {name: {"peak_not_predicted": s.get("peak_not_predicted"),
+                                  "ranks": [{k: r.get(k) for k in keys} for r in s["ranks"]]}
+                           for name, s in summary["strategies"].items()}}
+
+
 def write_table(out: Path, command: str) -> None:
+    """matrix.md and matrix.json from every point's folder, and beside them each point's peaks
+    (POINT.peaks.json, a few KiB where its summary.json is a hundred)."""
     rows, ooms = [], []
     for folder in sorted(p for p in out.iterdir() if p.is_dir()):
         if (folder / "summary.json").exists():
             summary = json.loads((folder / "summary.json").read_text())
             if "strategies" in summary:
                 rows += rows_of(folder.name, summary)
+                (out / f"{folder.name}.peaks.json").write_text(json.dumps(peaks_of(summary), separators=(",", ":")) + "\n")
         if (folder / "expected_oom.json").exists():
             for name, r in json.loads((folder / "expected_oom.json").read_text()).items():
                 ooms.append([folder.name, name, f"{r['predicted_peak_bytes'] / GiB:.2f}", f"{r['limit_bytes'] / GiB:.2f}",
