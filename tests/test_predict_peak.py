@@ -165,3 +165,36 @@ def test_a_prediction_that_fails_or_takes_too_long_leaves_each_strategy_why_not(
     predicted = predict_in_fresh_process(config, tmp_path, None)
     assert predicted["fsdp2"]["why_not"].startswith("the prediction's process failed (exit code 1: FileNotFoundError")
     assert "Traceback" in predicted["fsdp2"]["traceback"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("preset, world_size", [("case-study", 5), ("gpt-tiny", 3)])
+def test_ranks_traced_once_for_others_would_trace_the_same(name, preset, world_size):
+    """predict_or_why_not traces one rank per retained layout (ranks_alike); every rank's own trace
+    gives the same peaks as the rank that stands for it."""
+    from zerolens.predict_peak import ranks_alike
+    settings = TrainSettings(precision="bf16", world_size=world_size, micro_batch=2)
+    alike = ranks_alike(name, PRESETS[preset], settings)
+    own = {rank: predict_peaks(name, PRESETS[preset], settings, rank=rank, cuda_capability=(9, 0))
+           for rank in range(world_size)}
+    keys = ("peak_during_forward", "peak_during_backward", "peak_during_step", "held_after_step_bytes")
+    for rank, like in alike.items():
+        assert [own[rank][k] for k in keys] == [own[like][k] for k in keys], (rank, like)
+    if name == "fsdp2" and preset == "gpt-tiny":
+        assert len(set(alike.values())) == 2  # the last rank keeps fewer rows: traced apart
+
+
+def test_the_report_shows_fragmentation_beside_the_prediction_on_cuda():
+    """On CUDA each phase's reserved peak and its excess over the allocated peak (fragmentation,
+    not predicted) sit beside the predicted and measured peaks; on the CPU there is no allocator."""
+    from zerolens.report import peak_prediction_section
+    phases = ("forward", "backward", "step")
+    predicted = {f"peak_during_{ph}": 100 * 2**20 for ph in phases} | {"peak_bytes": 100 * 2**20, "target": "cuda"}
+    rank = {"rank": 0, "predicted_peaks": predicted, **{f"peak_during_{ph}": 101 * 2**20 for ph in phases},
+            **{f"reserved_peak_during_{ph}": 120 * 2**20 for ph in phases}}
+    section = peak_prediction_section({"device": "cuda", "strategies": {"zero2": {"ranks": [rank]}}})
+    assert "reserved - allocated (not predicted)" in section
+    assert "| zero2 | 0 | forward | 100.000 | 101.000 | -0.99% | 120.000 | 19.000 |" in section
+    cpu = {**rank, "predicted_peaks": predicted | {"target": "cpu", "last_step": predicted}}
+    assert "reserved" not in peak_prediction_section({"device": "cpu", "strategies": {"zero2": {"ranks": [cpu]}}})

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .model import ModelConfig, meta_model
+from .model import ModelConfig, meta_model, parameter_shapes
 from .strategies import TrainSettings, registry
 from .tables import MiB
 
@@ -188,14 +188,35 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
     goes on; the traceback is kept (`traceback`) in case the fault is a step model's."""
     if registry.spec(name).step_model is None:
         return {"why_not": not_predicted_yet(name)}
-    ranks = range(settings.world_size) if registry.spec(name).shards_gradients else [0]
     try:
-        peaks = [predict_peaks(name, model_config, settings, rank=r, **options) for r in ranks]
+        traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options)
+                  for rank in set(ranks_alike(name, model_config, settings).values())}
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
         return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
                 "traceback": traceback.format_exc()}
-    return {"ranks": peaks if len(peaks) == settings.world_size else peaks * settings.world_size}
+    return {"ranks": [traced[like] for like in ranks_alike(name, model_config, settings).values()]}
+
+
+def ranks_alike(name: str, model_config: ModelConfig, settings: TrainSettings) -> dict[int, int]:
+    """Each rank -> the rank whose trace stands for it. ZeRO-1/2's flat partition cuts each rank's
+    slice across parameters at its own place (buffers of the parameters it straddles): every rank is
+    its own. The other strategies allocate the same on every rank but for what their layout gives
+    each (FSDP2's last ranks keep fewer rows where a dim 0 does not divide by N): ranks whose
+    retained layout is the same are traced once (tests/test_predict_peak.py checks their traces
+    are equal)."""
+    import math
+    spec, n = registry.spec(name), settings.world_size
+    if spec.flat_partition:
+        return {rank: rank for rank in range(n)}
+    shapes = [tuple(shape) for shape in parameter_shapes(model_config)]
+    first_with: dict[str, int] = {}
+    alike = {}
+    for rank in range(n):
+        layout = registry.predict_retained(name, [math.prod(s) for s in shapes], n, rank, settings.precision,
+                                           reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes)
+        alike[rank] = first_with.setdefault(repr(sorted(layout.items())), rank)
+    return alike
 
 
 # How long rank 0 waits for the prediction's process (predict_in_fresh_process) at most, while the

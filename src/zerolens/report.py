@@ -106,6 +106,7 @@ PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimize
 def peak_prediction_section(summary: dict) -> str:
     """Each phase's peak, predicted before training (predict_peak.py) beside measured: on CUDA the
     highest over the steps, on the CPU the last step's (what each measures)."""
+    cuda = summary["device"] == "cuda"
     rows, why_not = [], []
     for name, s in summary["strategies"].items():
         if "peak_not_predicted" in s:
@@ -114,18 +115,24 @@ def peak_prediction_section(summary: dict) -> str:
         for r in s["ranks"]:
             p = predicted_for_measurement(r)
             for phase in ("forward", "backward", "step"):
-                measured = r.get(f"peak_during_{phase}")
+                measured, reserved = r.get(f"peak_during_{phase}"), r.get(f"reserved_peak_during_{phase}")
                 rows.append([name, r["rank"], phase, mib(p[f"peak_during_{phase}"]), mib(measured),
-                             "-" if not measured else f"{p[f'peak_during_{phase}'] / measured - 1:+.2%}"])
+                             "-" if not measured else f"{p[f'peak_during_{phase}'] / measured - 1:+.2%}",
+                             *([mib(reserved), "-" if reserved is None or measured is None else mib(reserved - measured)]
+                               if cuda else [])])
     if not rows and not why_not:
         return ""
-    table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error"], rows)
+    table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error",
+                            *(["reserved peak", "reserved - allocated (not predicted)"] if cuda else [])], rows)
+    fragmentation = (" Not predicted: fragmentation, what the allocator has reserved from the driver beyond what "
+                     "it has allocated (its cached blocks and their unused parts); the last two columns show it "
+                     "at each phase's highest reserve." if cuda else "")
     cuda = ("; on CUDA the cuBLAS workspaces are added, and each phase's peak is its highest over the steps "
-            "traced" if summary["device"] == "cuda" else "")
+            "traced" if cuda else "")
     return f"""
 ### Peaks, predicted before training and measured (MiB)
 Predicted by running each strategy's step model (what its backend allocates on one rank) on fake \
-tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase over every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.
+tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase over every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.{fragmentation}
 
 {table}
 {chr(10).join(why_not)}

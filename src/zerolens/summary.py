@@ -53,6 +53,9 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "peak_during_backward": peak("peak_during_backward"),
         "peak_during_step": peak("peak_during_step"),
         "peak_bytes": max(peaks) if peaks else None,
+        # CUDA: what the allocator had reserved from the driver at its highest in each phase. Less the
+        # allocated peak, that is the fragmentation the peak prediction does not predict.
+        **{f"reserved_peak_during_{ph}": peak(f"reserved_peak_during_{ph}") for ph in phases},
         "reserved_peak_bytes": max(reserved) if reserved else None,
         "peak_anatomy": last.get("peak_anatomy"),
         "median_step_seconds": median_step_seconds(records),
@@ -62,6 +65,7 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
 
 
 PEAK_KEYS = ("peak_during_forward", "peak_during_backward", "peak_during_step", "peak_bytes", "reserved_peak_bytes",
+             "reserved_peak_during_forward", "reserved_peak_during_backward", "reserved_peak_during_step",
              "peak_anatomy")
 
 
