@@ -160,8 +160,9 @@ def estimate_parser(subparsers) -> None:
 
 def estimate_model(args: argparse.Namespace):
     """The model whose step estimate traces for the peaks: a preset (with --seq-len or
-    --activation-checkpointing), or --model with --batch; None for --params or --model alone."""
-    if args.params is not None or (args.model and not args.batch):
+    --activation-checkpointing), a Hugging Face model (--model hf:...), or --model with --batch;
+    None for --params or --model alone."""
+    if args.params is not None or (args.model and not args.batch and not args.model.startswith("hf:")):
         return None
     return model_from_args(args)
 

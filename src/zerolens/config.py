@@ -25,6 +25,7 @@ import torch
 from .compat import check_supported
 from .errors import UserError
 from .faults import fault_from_environment
+from .hf import PREFIX as HF_PREFIX
 from .model import PRESETS, ModelConfig, parameter_shapes, user_model
 from .strategies import TrainSettings, registry
 
@@ -327,6 +328,26 @@ def ds_override_from_json(text: str | None) -> dict:
     return value
 
 
+def hf_model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """--model hf:<model type or config.json>, with --depth, --seq-len and --activation-checkpointing."""
+    from .hf import model_config_fields
+    if args.batch:
+        raise UserError("--batch is for --model module:factory; a Hugging Face model learns zerolens's own "
+                        "next-token task")
+    if getattr(args, "width", None) is not None or getattr(args, "heads", None) is not None or \
+            getattr(args, "compile", False):
+        raise UserError("--width/--heads/--compile change a preset; for a Hugging Face model write them into its "
+                        "config.json")
+    for flag, value in (("--depth", getattr(args, "depth", None)), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    fields = model_config_fields(args.model[len(HF_PREFIX):], depth=getattr(args, "depth", None), seq_len=args.seq_len)
+    try:
+        return ModelConfig(**fields, activation_checkpointing=args.activation_checkpointing)
+    except ValueError as e:
+        raise UserError(f"--model {args.model}: {e}") from None
+
+
 def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
     """--model module:factory with --batch module:function (check_config runs them)."""
     if not args.batch:
@@ -371,7 +392,9 @@ def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> No
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
-    or the user's model."""
+    or the user's model, or a Hugging Face one (--model hf:...)."""
+    if getattr(args, "model", None) and args.model.startswith(HF_PREFIX):
+        return hf_model_from_args(args)
     if getattr(args, "model", None):
         return user_model_from_args(args)
     model = PRESETS[args.preset]

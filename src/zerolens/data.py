@@ -7,7 +7,7 @@ the class's own tokens {v : v % num_classes == c}, the rest uniformly from the v
 The label is c. Because the model mean-pools over the sequence, a bag-of-tokens rule is one it
 can represent; the case study's fresh random labels gave it nothing to learn.
 
-Language model (the GPT presets): each sequence follows a fixed successor table, a random
+Language model (the GPT presets, and Hugging Face causal LMs): each sequence follows a fixed successor table, a random
 permutation of the vocabulary drawn from the seed: with probability `signal` the next token is
 the successor of the current one, otherwise uniform. The model predicts every next token; the
 best achievable loss is the entropy of that rule (about 2.6 nats for a 32000-token vocabulary at
@@ -30,7 +30,7 @@ def make_batch(model: ModelConfig, step: int, *, seed: int, batch_size: int,
     """The global batch of `step` for this model's task: (tokens, labels) on the CPU."""
     if model.kind == "user":
         return user_batch(model.batch, step, seed=seed, batch_size=batch_size)
-    if model.kind == "gpt":
+    if model.kind in ("gpt", "hf"):  # a Hugging Face causal LM learns the GPT presets' task
         return lm_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,
                         vocab_size=model.vocab_size, signal=signal)
     return global_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,

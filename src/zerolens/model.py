@@ -19,11 +19,13 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    kind: str = "classifier"  # classifier | gpt | user
+    kind: str = "classifier"  # classifier | gpt | user | hf
     # kind "user" (--model/--batch): "module:function" of a factory returning your nn.Module, and of
     # a function batch(step, batch_size, seed) -> (inputs, targets); see load_user_function.
     factory: str = ""
     batch: str = ""
+    # kind "hf" (--model hf:...): the Hugging Face configuration as JSON (hf.py), its depth num_layers.
+    hf_config: str = ""
     vocab_size: int = 1000
     d_model: int = 128
     num_layers: int = 2
@@ -40,12 +42,14 @@ class ModelConfig:
     compile_blocks: bool = False
 
     def __post_init__(self):
-        if self.kind not in ("classifier", "gpt", "user"):
+        if self.kind not in ("classifier", "gpt", "user", "hf"):
             raise ValueError(f"unknown model kind {self.kind!r}")
         if self.kind == "user" and not (self.factory and self.batch):
             raise ValueError("a user model needs both a factory and a batch function")
-        if (self.activation_checkpointing or self.compile_blocks) and self.kind != "gpt":
-            raise ValueError("activation checkpointing and compiling are implemented for the GPT presets only")
+        if self.activation_checkpointing and self.kind not in ("gpt", "hf"):
+            raise ValueError("activation checkpointing is implemented for the GPT presets and Hugging Face models only")
+        if self.compile_blocks and self.kind != "gpt":
+            raise ValueError("compiling is implemented for the GPT presets only")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
 
@@ -159,6 +163,9 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         if config.kind == "user":
             return user_model(config)
+        if config.kind == "hf":
+            from .hf import build
+            return build(config)
         if config.kind == "classifier":
             return CaseStudyModel(config)
         # Built on the meta device, then initialised once: torch's default initialisation of each
@@ -176,8 +183,30 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
 def meta_model(config: ModelConfig) -> nn.Module:
     """The model on the meta device: shapes and dtypes, no memory, no time."""
     with torch.device("meta"):
+        if config.kind == "hf":
+            from .hf import build
+            return build(config)
         return user_model(config) if config.kind == "user" else GPT(config) if config.kind == "gpt" \
             else CaseStudyModel(config)
+
+
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` with its tied parameters tied again: to_empty gives every
+    module its own new parameter, so a weight shared by two modules (GPT-2's embedding and head)
+    would become two, and count twice."""
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) in owners:
+                    ties.append((module, name, owners[id(p)]))
+                else:
+                    owners[id(p)] = (module, name)
+    model.to_empty(device=device)
+    for module, name, (owner, owner_name) in ties:
+        setattr(module, name, getattr(owner, owner_name))
+    return model
 
 
 def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
@@ -224,8 +253,8 @@ def training_flops_per_token(config: ModelConfig, params: int) -> int | None:
     6 per weight that multiplies (every parameter but the embedding tables) plus 12 * layers *
     width * sequence for attention's two matrix products, counted as if not causal. For the
     classifier the head runs once per sample, not per token: this overcounts it slightly. None for
-    a user's model: zerolens does not know its arithmetic."""
-    if config.kind == "user":
+    a user's model or a Hugging Face one: zerolens does not know its arithmetic."""
+    if config.kind in ("user", "hf"):
         return None
     embeddings = config.vocab_size * config.d_model + (config.seq_len * config.d_model if config.kind == "gpt" else 0)
     return 6 * (params - embeddings) + 12 * config.num_layers * config.d_model * config.seq_len

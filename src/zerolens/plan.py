@@ -102,8 +102,8 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
 
 
 def checkpointing_options(config: RunConfig) -> tuple[bool, ...]:
-    """Activation checkpointing off and on where the model has it (the GPT presets), else off."""
-    return (False, True) if config.model.kind == "gpt" else (False,)
+    """Activation checkpointing off and on where the model has it (GPT presets, Hugging Face models)."""
+    return (False, True) if config.model.kind in ("gpt", "hf") else (False,)
 
 
 def communication_bytes(name: str, params: int, world_size: int, precision: str) -> float | None:

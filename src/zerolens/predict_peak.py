@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .model import ModelConfig, meta_model, parameter_shapes
+from .model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
 from .strategies import TrainSettings, registry
 from .tables import MiB
 
@@ -92,7 +92,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         stack.enter_context(fake_process_group(rank, settings.world_size))
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
-        step_model.setup(model.to_empty(device=device), device)
+        step_model.setup(to_empty_keeping_ties(model, device), device)
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
 
         @contextlib.contextmanager

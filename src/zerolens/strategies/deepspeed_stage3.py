@@ -310,11 +310,15 @@ class Coordinator:
 
 
 def on_tensors(function, value):
-    """utils.py, apply_to_tensors_only: `function` applied to every tensor in `value`."""
+    """utils.py, apply_to_tensors_only: `function` applied to every tensor in `value`; a dict (a
+    Hugging Face ModelOutput too) changed in place, keeping its class; a named tuple rebuilt."""
     if isinstance(value, (tuple, list)):
-        return type(value)(on_tensors(function, v) for v in value)
+        touched = [on_tensors(function, v) for v in value]
+        return type(value)(*touched) if hasattr(value, "_fields") else type(value)(touched)
     if isinstance(value, dict):
-        return {k: on_tensors(function, v) for k, v in value.items()}
+        for key in value.keys():
+            value[key] = on_tensors(function, value[key])
+        return value
     return function(value) if isinstance(value, torch.Tensor) else value
 
 

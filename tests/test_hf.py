@@ -1,0 +1,75 @@
+"""Hugging Face causal LMs as users bring them (--model hf:...), built from a configuration with no
+download: GPT-2 with tied embeddings and a Llama (examples/hf/)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import zerolens
+from zerolens.model import to_empty_keeping_ties
+
+pytest.importorskip("transformers")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
+GPT2 = f"hf:{EXAMPLES / 'gpt2-tiny.json'}"
+LLAMA = f"hf:{EXAMPLES / 'llama-tiny.json'}"
+ALL = "ddp,zero0,zero1,zero2,zero3,fsdp2-grad,fsdp2"
+
+
+def test_tied_weights_stay_tied_on_fake_storage():
+    """to_empty gives each module a parameter of its own: a tied head would count twice."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    to_empty_keeping_ties(model, torch.device("cpu"))
+    assert model[1].weight is model[0].weight and len(list(model.parameters())) == 1
+
+
+@pytest.mark.parametrize("model", [GPT2, LLAMA])
+def test_estimate_predicts_every_strategys_peak(model):
+    result = zerolens("estimate", "--model", model, "--seq-len", "64", "--micro-batch", "2", "--strategies", ALL,
+                      "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    for name, entry in out["strategies"].items():
+        assert "peak_not_predicted" not in entry, (name, entry.get("peak_not_predicted"))
+        assert all(r["peak_bytes"] > r["retained_total_bytes"] for r in entry["ranks"])
+
+
+def test_gpt2s_tied_embedding_is_one_parameter():
+    from zerolens.config import hf_model_from_args
+    from zerolens.model import parameter_shapes
+    import argparse
+    args = argparse.Namespace(model=GPT2, batch=None, width=None, heads=None, compile=False, depth=3, seq_len=None,
+                              activation_checkpointing=False)
+    config = hf_model_from_args(args)
+    assert config.kind == "hf" and config.num_layers == 3 and config.seq_len == 256 and config.vocab_size == 1024
+    shapes = parameter_shapes(config)
+    assert sum(tuple(s) == (1024, 128) for s in shapes) == 1  # the embedding, which is also the head
+
+
+@pytest.mark.slow
+def test_verify_predicts_gpt2s_peaks_on_every_strategy(tmp_path):
+    """GPT-2 with tied embeddings, on 2 CPU ranks: every rank's peak of every phase as predicted."""
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", GPT2, "--seq-len", "64", "--micro-batch", "2", "--strategies", ALL,
+                      "--steps", "4", "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    predicted = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
+    assert len(predicted) == 7 * 2 and all(c["passed"] for c in predicted)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "hf:not-a-model-type"], "--model hf:not-a-model-type: transformers"),
+    (["--model", "hf:vit"], "vit is not a causal language model"),
+    (["--model", "hf:missing/config.json"], "cannot read it"),
+    (["--model", GPT2, "--batch", "x:y"], "--batch is for --model module:factory"),
+    (["--model", GPT2, "--seq-len", "4096"], "longer than the model's max_position_embeddings 256"),
+])
+def test_user_errors(flags, message, tmp_path):
+    result = zerolens("verify", *flags, "--steps", "4", "--nproc", "1", "--strategies", "ddp", "--out",
+                      str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
