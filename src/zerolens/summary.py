@@ -76,7 +76,7 @@ def without_earlier_memory(rank: dict, earlier_left: int) -> dict:
     if not earlier_left or rank["peak_bytes"] is None:
         return rank
     return {**rank, **dict.fromkeys(PEAK_KEYS),
-            "peaks_including_earlier_strategies": {k: rank[k] for k in PEAK_KEYS if k != "peak_anatomy"}}
+            "peaks_including_earlier_strategies": {k: rank.get(k) for k in PEAK_KEYS if k != "peak_anatomy"}}
 
 
 def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: list[int],

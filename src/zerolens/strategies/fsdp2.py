@@ -1,12 +1,12 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard)."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors, required
+from ..measure import dtensor_shapes_untraced
 from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device, scaled_step_without_reading_values
 
 
@@ -184,24 +184,3 @@ class TorchFSDP2StepModel(TorchFSDP2):
                                                       self.settings.gradient_clipping)
 
 
-@contextlib.contextmanager
-def dtensor_shapes_untraced():
-    """DTensor works out an op's output shape the first time it meets the op with those shapes, by
-    running it on fake tensors of the global shape (ShardingPropagator._propagate_tensor_meta_non_cached,
-    whose result is cached for the process). A real run allocates nothing for that, but the trace's
-    tracker would count every such tensor: a foreach op's are every parameter's whole size (2 MiB more
-    in the first optimizer step of the first trace on gpt-tiny). Here that work runs with the trace's
-    modes set aside, on fake tensors of its own."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import _disable_current_modes
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagate = propagator._propagate_tensor_meta_non_cached
-
-    def untraced(op_schema):
-        with _disable_current_modes():
-            return propagate(op_schema)
-    propagator._propagate_tensor_meta_non_cached = untraced
-    try:
-        yield
-    finally:
-        del propagator._propagate_tensor_meta_non_cached  # the class's own again
