@@ -1,7 +1,6 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard)."""
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
