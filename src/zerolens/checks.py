@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from statistics import mean
 
-from .predict_peak import PHASES
+from .strategies.base import PHASES
 from .strategies import DTYPES
 from .theory import zero_partition_layout
 

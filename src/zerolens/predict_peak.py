@@ -27,9 +27,9 @@ import torch
 
 from .model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
 from .strategies import TrainSettings, registry
+from .strategies.base import PHASES
 from .tables import MiB
 
-PHASES = ("forward", "backward", "step")
 PREDICTED_PEAKS = "predicted_peaks.json"  # in a run folder: made before training (worker.py)
 # Steps traced: the first has no optimizer states yet, the second is where DDP rebuilds its buckets,
 # the third is every later one. The peaks are each phase's highest over them, as the CUDA

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from ..census import Holdings, optimizer_state_tensors, required
-from ..measure import dtensor_shapes_untraced
-from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device, scaled_step_without_reading_values
+from .base import (DTYPES, ScaledStrategy, TrainSettings, dtensor_shapes_untraced, loss_of, on_device,
+                   scaled_step_without_reading_values)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
