@@ -180,12 +180,10 @@ def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: s
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
-    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}. A strategy
-    that shards gradients and optimizer states gives each rank its own slice (ZeRO-1/2's cut across
-    parameters; FSDP2's last ranks keep fewer rows where a dim 0 does not divide by N, so less
-    optimizer state): each rank is traced. Without sharding every rank allocates alike, and rank 0
-    is traced for all. A model that cannot be traced on fake tensors is not predicted, and its run
-    goes on; the traceback is kept (`traceback`) in case the fault is a step model's."""
+    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}, one trace
+    standing for all the ranks that allocate alike (ranks_alike). A model that cannot be traced on
+    fake tensors is not predicted, and its run goes on; the traceback is kept (`traceback`) in case
+    the fault is a step model's."""
     if registry.spec(name).step_model is None:
         return {"why_not": not_predicted_yet(name)}
     try:
