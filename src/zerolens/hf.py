@@ -31,9 +31,9 @@ def transformers_or_error():
     return transformers
 
 
-def read_config(source: str) -> dict:
-    """`source` (after "hf:"): a path to a config.json, or a model type transformers knows, as the
-    configuration's dictionary (its `model_type` included)."""
+def read_config(source: str):
+    """`source` (after "hf:"): a path to a config.json, or a model type transformers knows, as a
+    transformers configuration."""
     transformers = transformers_or_error()
     path = Path(source)
     if path.is_dir():
@@ -58,15 +58,14 @@ def read_config(source: str) -> dict:
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"--model hf:{source}: {config.model_type} is not a causal language model in transformers "
                         f"{transformers.__version__} (zerolens trains AutoModelForCausalLM)")
-    return config.to_dict()
+    return config
 
 
 def model_config_fields(source: str, *, depth: int | None, seq_len: int | None) -> dict:
     """What ModelConfig keeps of a Hugging Face configuration: the configuration itself (JSON) and
     the figures the rest of zerolens reads (vocabulary, width, heads, layers, sequence length)."""
-    transformers = transformers_or_error()
-    values = read_config(source)
-    config = transformers.AutoConfig.for_model(**values)
+    config = read_config(source)
+    values = config.to_dict()
     longest = getattr(config, "max_position_embeddings", None)
     if seq_len is not None and longest is not None and seq_len > longest:
         raise UserError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings {longest}")

@@ -17,6 +17,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 
+CHECKPOINTABLE_KINDS = ("gpt", "hf")  # model kinds with activation checkpointing
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     kind: str = "classifier"  # classifier | gpt | user | hf
@@ -46,7 +49,7 @@ class ModelConfig:
             raise ValueError(f"unknown model kind {self.kind!r}")
         if self.kind == "user" and not (self.factory and self.batch):
             raise ValueError("a user model needs both a factory and a batch function")
-        if self.activation_checkpointing and self.kind not in ("gpt", "hf"):
+        if self.activation_checkpointing and self.kind not in CHECKPOINTABLE_KINDS:
             raise ValueError("activation checkpointing is implemented for the GPT presets and Hugging Face models only")
         if self.compile_blocks and self.kind != "gpt":
             raise ValueError("compiling is implemented for the GPT presets only")

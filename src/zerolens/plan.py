@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .config import RunConfig
 from .errors import UserError
-from .model import parameter_shapes
+from .model import CHECKPOINTABLE_KINDS, parameter_shapes
 from .strategies import registry
 from .tables import GiB, MiB
 
@@ -103,7 +103,7 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
 
 def checkpointing_options(config: RunConfig) -> tuple[bool, ...]:
     """Activation checkpointing off and on where the model has it (GPT presets, Hugging Face models)."""
-    return (False, True) if config.model.kind in ("gpt", "hf") else (False,)
+    return (False, True) if config.model.kind in CHECKPOINTABLE_KINDS else (False,)
 
 
 def communication_bytes(name: str, params: int, world_size: int, precision: str) -> float | None:

@@ -186,14 +186,14 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
     the fault is a step model's."""
     if registry.spec(name).step_model is None:
         return {"why_not": not_predicted_yet(name)}
+    alike = ranks_alike(name, model_config, settings)
     try:
-        traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options)
-                  for rank in set(ranks_alike(name, model_config, settings).values())}
+        traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options) for rank in set(alike.values())}
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
         return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
                 "traceback": traceback.format_exc()}
-    return {"ranks": [traced[like] for like in ranks_alike(name, model_config, settings).values()]}
+    return {"ranks": [traced[like] for like in alike.values()]}
 
 
 def ranks_alike(name: str, model_config: ModelConfig, settings: TrainSettings) -> dict[int, int]:
