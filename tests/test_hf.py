@@ -10,7 +10,7 @@ from torch import nn
 from conftest import zerolens
 from zerolens.model import to_empty_keeping_ties
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 GPT2 = f"hf:{EXAMPLES / 'gpt2-tiny.json'}"
 LLAMA = f"hf:{EXAMPLES / 'llama-tiny.json'}"
@@ -59,6 +59,42 @@ def test_verify_predicts_gpt2s_peaks_on_every_strategy(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     predicted = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
     assert len(predicted) == 7 * 2 and all(c["passed"] for c in predicted)
+
+
+def test_fake_tensors_take_the_real_runs_attention_path():
+    """On fake tensors transformers cannot read the position ids and would assume packed sequences:
+    a (B, 1, T, T) mask and no SDPA is_causal. The real run builds no mask, and so must the trace."""
+    import transformers.models.llama.modeling_llama as llama
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerolens.hf import CausalLMLogits
+    config = json.loads(Path(LLAMA[3:]).read_text())
+    lm = CausalLMLogits(transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)))
+    masks, create = [], llama.create_causal_mask
+    tokens = torch.randint(0, config["vocab_size"], (2, 16))
+    try:
+        llama.create_causal_mask = lambda *a, **k: masks.append(create(*a, **k)) or masks[-1]
+        lm(tokens)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            lm(mode.from_tensor(tokens))
+    finally:
+        llama.create_causal_mask = create
+    assert masks == [None, None]
+    import transformers.masking_utils as masking
+    assert masking.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"  # put back
+
+
+@pytest.mark.slow
+def test_verify_predicts_llamas_peaks_where_the_fake_trace_once_missed(tmp_path):
+    """The tiny Llama on 2 CPU ranks with zero0 and fsdp2, which the trace once missed (a causal mask
+    on fake tensors; gloo's reduce-scatter copy): every rank's peak of every phase as predicted."""
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", LLAMA, "--seq-len", "64", "--micro-batch", "2", "--strategies",
+                      "zero0,fsdp2", "--steps", "4", "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    predicted = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
+    assert len(predicted) == 2 * 2 and all(c["passed"] for c in predicted)
 
 
 @pytest.mark.parametrize("flags, message", [

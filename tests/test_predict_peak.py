@@ -45,6 +45,28 @@ def test_a_run_of_one_step_is_predicted_over_one_step():
     assert one["peak_during_forward"] < three["peak_during_forward"]
 
 
+def test_a_cpu_target_holds_glooss_copy_of_each_reduce_scatter_input():
+    """gloo reduces a copy of a reduce-scatter's input (FSDP2's backward), NCCL does not: the CPU
+    prediction makes the copy, the CUDA one does not, and the largest is said for the CPU check:
+    the largest FSDP2 group's gradients in fp32, FSDP2's reduce dtype here."""
+    from zerolens.model import meta_model
+    from zerolens.strategies.fsdp2 import repeated_blocks
+    model_config = PRESETS["gpt-tiny"]
+    settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    cpu = predict_peaks("fsdp2", model_config, settings, steps=1)
+    cuda = predict_peaks("fsdp2", model_config, settings, steps=1, cuda_capability=(9, 0), trace_on="cpu")
+    model = meta_model(model_config)
+    blocks = repeated_blocks(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    groups = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
+    assert cpu["gloo_copy_bytes"] == 4 * max(groups)
+    assert cuda["gloo_copy_bytes"] == 0
+    assert cpu["peak_during_backward"] > cuda["peak_during_backward"] - cuda["cublas_workspace_bytes"]
+    for name in ("ddp", "zero2"):  # they all-reduce or reduce, which gloo does in place
+        assert predict_peaks(name, model_config, settings, steps=1)["gloo_copy_bytes"] == 0
+
+
 def test_cublas_workspaces_by_compute_capability():
     assert cublas_workspace_bytes(None) == 0
     assert cublas_workspace_bytes((9, 0)) == 68157440  # measured on H200 (docs/results/2xh200/issue14/)

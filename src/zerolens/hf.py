@@ -12,9 +12,11 @@ drawn from the model's own vocabulary. Activation checkpointing is transformers'
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import UserError
 
@@ -83,7 +85,28 @@ class CausalLMLogits(nn.Module):
         self.lm = lm
 
     def forward(self, tokens):
-        return self.lm(input_ids=tokens, use_cache=False).logits
+        with sequences_unpacked_when_fake(tokens):
+            return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+@contextmanager
+def sequences_unpacked_when_fake(tokens):
+    """While the peak is predicted on fake tensors, answer transformers' packed-sequence check as
+    the real run answers it. transformers looks at the position ids for several sequences packed in
+    one row (masking_utils.find_packed_sequence_indices); on tensors whose values it cannot read it
+    assumes they are packed, builds a (B, 1, T, T) mask and gives up SDPA's is_causal, so the trace
+    would take an attention path, and hold a mask, that the real run does not. zerolens passes no
+    position ids and every row is one sequence, so the real answer is always "not packed" (None)."""
+    if not isinstance(tokens, FakeTensor):
+        yield
+        return
+    import transformers.masking_utils as masking
+    find = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
 
 
 def build(model_config) -> nn.Module:

@@ -90,6 +90,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
         stack.enter_context(fake_process_group(rank, settings.world_size))
+        gloo_copies = stack.enter_context(gloo_reduce_scatter_copies()) if cuda_capability is None else []
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
         step_model.setup(to_empty_keeping_ties(model, device), device)
@@ -124,7 +125,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
                   "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
                   "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
                   "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,
-                  "batch_bytes": tokens.nbytes + labels.nbytes}
+                  "batch_bytes": tokens.nbytes + labels.nbytes, "gloo_copy_bytes": max(gloo_copies, default=0)}
 
 
 @contextlib.contextmanager
@@ -144,6 +145,35 @@ def fake_process_group(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def gloo_reduce_scatter_copies():
+    """For a CPU target, whose runs use gloo: gloo reduces a copy of a reduce-scatter's input, made on
+    the calling thread, where the CPU measurement sees it (ProcessGroupGloo::reduce_scatter_tensor_
+    coalesced: buffers.push_back(inputTensors[i].clone())), alive until the collective is waited on.
+    The fake process group copies nothing, so the trace makes that copy around each blocking
+    reduce_scatter_single (FSDP2's; NCCL, on CUDA, makes none). On the tiny Llama of examples/hf it
+    was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
+    copies' sizes in bytes: gloo's own thread holds a copy too, and now and then frees it after the
+    next operation has allocated (checks.peak_prediction_check allows one copy for that)."""
+    import torch.distributed as dist
+    original = dist.reduce_scatter_single
+    sizes: list[int] = []
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        copy = input.clone()
+        sizes.append(copy.nbytes)
+        try:
+            return original(output, input, *args, **kwargs)
+        finally:
+            del copy
+
+    dist.reduce_scatter_single = reduce_scatter_single
+    try:
+        yield sizes
+    finally:
+        dist.reduce_scatter_single = original
 
 
 def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
