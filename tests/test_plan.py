@@ -36,6 +36,7 @@ def test_what_fits_is_within_memory_and_what_does_not_is_said():
                        cuda_capability=(9, 0), depth_search=False)
     assert result["fits"] and all(r["peak_bytes"] <= memory and r["strategy"] == "ddp" for r in result["fits"])
     assert all(r["headroom_bytes"] == memory - r["peak_bytes"] for r in result["fits"])
+    assert all(r["tight"] == (r["headroom_bytes"] < plan.TIGHT_HEADROOM * memory) for r in result["fits"])
     failing = {(r["strategy"], r["micro_batch"], r["checkpointing"]) for r in result["does_not_fit"]}
     assert ("zero2", 1, False) in failing and ("zero2", 1, True) in failing
     assert all(r["peak_bytes"] > memory for r in result["does_not_fit"])

@@ -125,7 +125,10 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
                   "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
                   "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
                   "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,
-                  "batch_bytes": tokens.nbytes + labels.nbytes, "gloo_copy_bytes": max(gloo_copies, default=0)}
+                  "batch_bytes": tokens.nbytes + labels.nbytes,
+                  # CPU: the largest tensor a gloo collective holds (checks.peak_prediction_check)
+                  "gloo_late_free_bytes": max([*gloo_copies, getattr(step_model, "collective_buffer_bytes", 0)])
+                  if cuda_capability is None else 0}
 
 
 @contextlib.contextmanager
@@ -156,7 +159,8 @@ def gloo_reduce_scatter_copies():
     reduce_scatter_single (FSDP2's; NCCL, on CUDA, makes none). On the tiny Llama of examples/hf it
     was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
     copies' sizes in bytes: gloo's own thread holds a copy too, and now and then frees it after the
-    next operation has allocated (checks.peak_prediction_check allows one copy for that)."""
+    next operation has allocated (checks.peak_prediction_check allows for one such buffer; a step
+    model whose collectives are modelled, not run, says its largest as `collective_buffer_bytes`)."""
     import torch.distributed as dist
     original = dist.reduce_scatter_single
     sizes: list[int] = []

@@ -83,7 +83,7 @@ class TorchDDPStepModel(TorchDDP):
     """What DDP allocates on one rank, without a process group, for the peak prediction
     (predict_peak.py): the same model, autocast, optimizer and step; the Reducer's buckets (a flat
     copy of every gradient, made at construction and kept) as one buffer of the layout's size,
-    made anew in the second forward (the rebuild). The all-reduce works in place in the buckets and
+    freed and made anew in the second forward (the rebuild). The all-reduce works in place in the buckets and
     allocates nothing."""
 
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool):
@@ -99,8 +99,11 @@ class TorchDDPStepModel(TorchDDP):
 
     def forward_loss(self, tokens, labels):
         if self.forwards == 1:
-            # The rebuild in the second forward: the new buckets are made before the old are freed.
-            self.bucket_buffers[0] = torch.empty_like(self.bucket_buffers[0])
+            # The rebuild in the second forward: Reducer::initialize_buckets clears the old buckets
+            # (buckets_.clear()) before it makes the new ones. On 2xH200 the second step's forward
+            # peak is the later steps' (docs/results/2xh200/issue14/matrix/, gpt-1b-mb4-ckpt).
+            size = self.bucket_buffers.pop(0).shape
+            self.bucket_buffers[0] = torch.empty(size, dtype=torch.float32, device=self.device)
         self.forwards += 1
         return super().forward_loss(tokens, labels)
 

@@ -5,9 +5,14 @@ import contextlib
 import io
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..census import Holdings, MeasurementError, optimizer_state_tensors, required
 from .base import DTYPES, Strategy, TrainSettings, loss_of
+
+# runtime/engine.py's MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce buckets after backward close
+# once they hold more than this many elements (allreduce_no_retain).
+DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -280,16 +285,18 @@ class DeepSpeedStepModel(Strategy):
     the peak prediction (predict_peak.py). Read from DeepSpeed 0.19's source:
 
     - stage 0, 16-bit (FP16_UnfusedOptimizer, runtime/fp16/unfused_optimizer.py): 16-bit weights,
-      an fp32 master per parameter; backward leaves 16-bit gradients; the step makes an fp32 copy
-      of every gradient, clips, steps AdamW on the masters, drops the copies, writes the weights.
-      fp32: the torch optimizer on the weights themselves.
+      an fp32 master per parameter; backward leaves 16-bit gradients and ends by all-reducing them
+      through flat copies of about 5e8 elements at a time (_allreduce_in_buckets); the step makes
+      an fp32 copy of every gradient, clips, steps AdamW on the masters, drops the copies, writes
+      the weights. fp32: the torch optimizer on the weights themselves.
     - stage 1/2 (DeepSpeedZeroOptimizer, runtime/zero/stage_1_and_2.py): 16-bit weights as views of
       one flat buffer padded to the partition layout (theory.zero_partition_layout), an fp32 master
       of the rank's slice. At the first gradient backward allocates the reduce bucket (setup_buckets:
-      reduce_bucket_size elements), copies each gradient into it as it is made and drops the
-      gradient (one larger than the bucket is reduced where it is); a full bucket is reduced in place and the rank's share copied to its gradient
-      buffer (allocated at the first reduction: the gradients of the parameters that overlap the
-      slice). The bucket is released by backward's end. The step takes the norm (an fp32 copy of
+      reduce_bucket_size elements). Stage 2 copies each gradient into it as it is made, stage 1
+      every gradient at backward's end in the parameters' order, dropping each gradient copied
+      (one larger than the bucket is reduced where it is); a full bucket is reduced in place and
+      the rank's share copied to its gradient buffer (allocated at the first reduction: the
+      gradients of the parameters that overlap the slice). The bucket is released by backward's end. The step takes the norm (an fp32 copy of
       one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
       frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
       16-bit slice (the all-gather writes into the flat buffer in place).
@@ -300,6 +307,8 @@ class DeepSpeedStepModel(Strategy):
             raise ValueError(f"no step model for ZeRO-{stage}")
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = DTYPES[settings.precision]
+        # The largest flat copy a collective reduces (a gloo run's thread may free it late: checks.py).
+        self.collective_buffer_bytes = 0
 
     def setup(self, model, device):
         from ..theory import zero_partition_layout
@@ -337,15 +346,54 @@ class DeepSpeedStepModel(Strategy):
     def backward(self, loss):
         if self.stage == 0:
             loss.backward()
+            self._allreduce_in_buckets()
             return
         self.bucket_used = 0
         self.pending: list[torch.Tensor] = []
-        hooks = [p.register_post_accumulate_grad_hook(self._into_bucket) for p in self.params]
+        # Stage 2 reduces each gradient as it is made. Stage 1 (overlap_comm off, DeepSpeed's default
+        # below stage 3) only sets the bucket up at the first gradient (process_gradients ->
+        # setup_buckets) and keeps every gradient until backward's end, where reduce_gradients
+        # reduces them in the parameters' order.
+        hook = self._into_bucket if self.stage == 2 else self._bucket_at_first_gradient
+        hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         loss.backward()
         for h in hooks:
             h.remove()
+        if self.stage == 1:
+            for p in self.params:
+                if p.grad is not None:
+                    self._into_bucket(p)
         self._reduce_bucket()
         self.bucket = None
+
+    def _bucket_at_first_gradient(self, p) -> None:
+        if self.bucket is None:
+            self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
+
+    def _allreduce_in_buckets(self) -> None:
+        """Stage 0 after backward (engine._backward_epilogue -> allreduce_gradients ->
+        buffered_allreduce_fallback, runtime/engine.py): the gradients in the module's parameter
+        order, in buckets each closed once it holds more than MEMORY_OPT_ALLREDUCE_SIZE elements,
+        each flattened into a new tensor (the communication dtype is the gradients' own), all-reduced
+        in place, copied back into the gradients and dropped."""
+        with torch.no_grad():
+            bucket, elements = [], 0
+            for p in self.params:
+                if p.grad is None:  # _get_gradients_for_reduction: zeros, so every rank reduces alike
+                    p.grad = torch.zeros_like(p)
+                bucket.append(p.grad)
+                elements += p.grad.numel()
+                if elements > DEEPSPEED_ALLREDUCE_ELEMENTS:
+                    self._allreduce_and_copy(bucket)
+                    bucket, elements = [], 0
+            if bucket:
+                self._allreduce_and_copy(bucket)
+
+    def _allreduce_and_copy(self, bucket: list[torch.Tensor]) -> None:
+        flat = _flatten_dense_tensors(bucket)
+        self.collective_buffer_bytes = max(self.collective_buffer_bytes, flat.nbytes)
+        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(synced)
 
     def _into_bucket(self, p) -> None:
         with torch.no_grad():
@@ -363,7 +411,15 @@ class DeepSpeedStepModel(Strategy):
             p.grad = None
 
     def _reduce_bucket(self) -> None:
-        """The rank's share of a reduced bucket into its gradient buffer (made at the first)."""
+        """reduce_ipg_grads: average_tensor reduces a flat copy of the bucket's gradients
+        (use_multi_rank_bucket_allreduce -> allreduce_and_scatter -> allreduce_bucket: self.flatten,
+        a new tensor, dropped once the reduced values are copied back); then the rank's share goes
+        into its gradient buffer (copy_grads_in_partition, made at the first)."""
+        elements = sum(p.numel() for p in self.pending)
+        if elements:
+            flat = torch.empty(elements, dtype=self.dtype, device=self.device)
+            self.collective_buffer_bytes = max(self.collective_buffer_bytes, flat.nbytes)
+            del flat
         if self.grads_in_partition is None and self.pending:
             self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
                                                   device=self.device)
