@@ -335,6 +335,7 @@ class DeepSpeedStepModel(Strategy):
                 self.master = flat[part.start:part.start + part.partition_elements].clone().float()
                 self.opt = torch_adamw([self.master], self.settings, self.cuda)
                 self.in_partition = [params[i] for i in part.overlapping_params]
+                self.in_partition_ids = {id(p) for p in self.in_partition}
                 self.first_param_offset = sum(numels[:part.overlapping_params[0]]) if part.overlapping_params else 0
         self.module = model
         self.grads_in_partition = None
@@ -413,14 +414,15 @@ class DeepSpeedStepModel(Strategy):
     def _reduce_bucket(self) -> None:
         """reduce_ipg_grads: average_tensor reduces a flat copy of the bucket's gradients
         (use_multi_rank_bucket_allreduce -> allreduce_and_scatter -> allreduce_bucket: self.flatten,
-        a new tensor, dropped once the reduced values are copied back); then the rank's share goes
-        into its gradient buffer (copy_grads_in_partition, made at the first)."""
+        a new tensor, dropped once the reduced values are copied back); then the gradients of the
+        parameters in the rank's partition go into its gradient buffer (copy_grads_in_partition,
+        which makes the buffer at its first call: at the first reduction holding such a parameter)."""
         elements = sum(p.numel() for p in self.pending)
         if elements:
             flat = torch.empty(elements, dtype=self.dtype, device=self.device)
             self.collective_buffer_bytes = max(self.collective_buffer_bytes, flat.nbytes)
             del flat
-        if self.grads_in_partition is None and self.pending:
+        if self.grads_in_partition is None and any(id(p) in self.in_partition_ids for p in self.pending):
             self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
                                                   device=self.device)
         self.bucket_used, self.pending = 0, []
