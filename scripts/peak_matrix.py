@@ -128,28 +128,37 @@ def run_capped(config: RunConfig, label: str, out: Path, command: str) -> None:
 
 
 def peaks_of(summary: dict) -> dict:
-    """What the matrix keeps of a point's summary.json: each rank's measured and predicted peaks."""
-    keys = ("rank", "peak_during_forward", "peak_during_backward", "peak_during_step", "peak_bytes",
-            "reserved_peak_bytes", "predicted_peaks")
-    return {"verdict": summary["verdict"], "precision": summary["precision"], "versions": summary["versions"],
-            "checks": [c for c in summary["checks"] if c["name"].startswith("peak as predicted")],
-            "strategies": {name: {"peak_not_predicted": s.get("peak_not_predicted"),
-                                  "ranks": [{k: r.get(k) for k in keys} for r in s["ranks"]]}
-                           for name, s in summary["strategies"].items()}}
+    """What the matrix keeps of a point's summary.json: each rank's measured and predicted peaks in
+    bytes (the measured reserved peak beside them) and its "peak as predicted" check."""
+    passed = {c["name"]: c["passed"] for c in summary["checks"] if c["name"].startswith("peak as predicted")}
+    strategies = {}
+    for name, s in summary["strategies"].items():
+        strategies[name] = []
+        for r in s["ranks"]:
+            entry = {"rank": r["rank"], "measured": {ph: r.get(f"peak_during_{ph}") for ph in PHASES}
+                     | {"peak": r.get("peak_bytes"), "reserved_peak": r.get("reserved_peak_bytes")}}
+            if r.get("predicted_peaks"):
+                p = predicted_for_measurement(r)
+                entry["predicted"] = {ph: p[f"peak_during_{ph}"] for ph in PHASES} | {"peak": p["peak_bytes"]}
+                entry["passed"] = passed.get(f"peak as predicted ({name}, rank {r['rank']})")
+            strategies[name].append(entry)
+    return {"verdict": summary["verdict"], "precision": summary.get("precision"), "versions": summary.get("versions"),
+            "strategies": strategies}
 
 
 def write_table(out: Path, command: str) -> None:
-    """matrix.md and matrix.json from every point's folder, and beside them each point's peaks
-    (POINT.peaks.json, a few KiB where its summary.json is a hundred)."""
-    rows, ooms = [], []
+    """matrix.md from every point's folder, and beside it peaks.json: every point's peaks in bytes
+    (peaks_of: a few KiB where a summary.json is a hundred) and the capped points' outcomes."""
+    rows, ooms, peaks, capped = [], [], {}, {}
     for folder in sorted(p for p in out.iterdir() if p.is_dir()):
         if (folder / "summary.json").exists():
             summary = json.loads((folder / "summary.json").read_text())
             if "strategies" in summary:
                 rows += rows_of(folder.name, summary)
-                (out / f"{folder.name}.peaks.json").write_text(json.dumps(peaks_of(summary), separators=(",", ":")) + "\n")
+                peaks[folder.name] = peaks_of(summary)
         if (folder / "capped.json").exists():
-            for name, r in json.loads((folder / "capped.json").read_text()).items():
+            capped[folder.name] = json.loads((folder / "capped.json").read_text())
+            for name, r in capped[folder.name].items():
                 ooms.append([folder.name, name, f"{r['predicted_peak_bytes'] / GiB:.2f}", f"{r['limit_bytes'] / GiB:.2f}",
                              r["expected"], r["outcome"], {True: "PASS", False: "FAIL", None: "not checked"}[r["passed"]]])
     passed = sum(r[-1] == "PASS" for r in rows + ooms)
@@ -165,7 +174,8 @@ def write_table(out: Path, command: str) -> None:
                      ["point", "strategy", "predicted GiB", "allocator limit GiB", "expected", "outcome", "check"],
                      ooms) + "\n")
     (out / "matrix.md").write_text(text)
-    (out / "matrix.json").write_text(json.dumps({"command": command, "rows": rows, "expected_oom": ooms}, indent=2) + "\n")
+    (out / "peaks.json").write_text(json.dumps({"command": command, "points": peaks, "capped": capped},
+                                               separators=(",", ":")) + "\n")
     print(text)
 
 
