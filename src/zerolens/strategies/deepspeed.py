@@ -294,9 +294,10 @@ class DeepSpeedStepModel(Strategy):
       of the rank's slice. At the first gradient backward allocates the reduce bucket (setup_buckets:
       reduce_bucket_size elements). Stage 2 copies each gradient into it as it is made, stage 1
       every gradient at backward's end in the parameters' order, dropping each gradient copied
-      (one larger than the bucket is reduced where it is); a full bucket is reduced in place and
-      the rank's share copied to its gradient buffer (allocated at the first reduction: the
-      gradients of the parameters that overlap the slice). The bucket is released by backward's end. The step takes the norm (an fp32 copy of
+      (one larger than the bucket is reduced where it is); a full bucket is reduced through a flat
+      copy and the rank's share copied to its gradient buffer (the gradients of the parameters that
+      overlap the slice, allocated at the first reduction holding one of them). The bucket is
+      released by backward's end. The step takes the norm (an fp32 copy of
       one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
       frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
       16-bit slice (the all-gather writes into the flat buffer in place).
