@@ -39,6 +39,65 @@ def test_verify_with_a_user_config(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     memory = [c for c in summary["checks"] if c["name"].startswith(("gradient", "retained"))]
     assert memory and all(c["passed"] for c in memory)
+    # Every setting of this config is one the step models model: the peaks are predicted, and as measured.
+    peaks = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
+    assert len(peaks) == 2 * 2 and all(c["passed"] for c in peaks), peaks
+
+
+@pytest.mark.slow
+def test_a_users_bucket_and_zero3_settings_are_predicted_retained_and_at_the_peak(tmp_path):
+    """reduce_bucket_size, ZeRO-3's prefetch, live-parameter and persistence settings from the
+    user's config: what each rank keeps and its peaks, as predicted (they once used zerolens's
+    defaults, and the retained check failed)."""
+    user = AUTO_CONFIG | {"zero_optimization": {"stage": 3, "reduce_bucket_size": 2_000_000,
+                                                "stage3_prefetch_bucket_size": 100_000,
+                                                "stage3_param_persistence_threshold": 1000,
+                                                "stage3_max_live_parameters": 1_000_000}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(user))
+    out = tmp_path / "run"
+    result = zerolens("verify", "--ds-config", str(path), "--strategies", "zero1,zero2,zero3", "--preset", "gpt-tiny",
+                      "--steps", "4", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    peaks = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
+    assert len(peaks) == 3 * 2 and all(c["passed"] for c in summary["checks"]), summary["checks"]
+
+
+def test_what_the_step_models_do_not_model_is_said_by_name():
+    from zerolens.strategies import registry
+    settings = TrainSettings(precision="bf16", user_ds_config=AUTO_CONFIG)
+    assert all(registry.spec(n).not_modelled(settings) == [] for n in ("zero0", "zero1", "zero2", "zero3", "ddp"))
+    theirs = AUTO_CONFIG | {"optimizer": {"type": "Lamb", "params": {"torch_adam": True}},
+                            "zero_optimization": {"stage": 2, "overlap_comm": True,
+                                                  "offload_optimizer": {"device": "cpu"}},
+                            "activation_checkpointing": {"partition_activations": True}}
+    said = registry.spec("zero2").not_modelled(TrainSettings(precision="bf16", user_ds_config=theirs))
+    assert sorted(said) == sorted(["optimizer.type: Lamb", 'activation_checkpointing: {"partition_activations": true}',
+                                   'zero_optimization.offload_optimizer: {"device": "cpu"}',
+                                   "zero_optimization.overlap_comm: true"])
+    # ZeRO-3 overlaps by default: the same overlap_comm is modelled there, and not without ZeRO.
+    assert "zero_optimization.overlap_comm: true" not in registry.spec("zero3").not_modelled(
+        TrainSettings(precision="bf16", user_ds_config=theirs))
+    assert registry.spec("zero0").not_modelled(TrainSettings(precision="bf16", ds_override={
+        "zero_optimization": {"overlap_comm": True}})) == []
+    assert registry.spec("zero1").not_modelled(TrainSettings(precision="bf16", ds_override={
+        "optimizer": {"params": {"torch_adam": False}}})) == [
+        "optimizer.params.torch_adam: not true (DeepSpeed's own FusedAdam)"]
+
+
+def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_with():
+    from zerolens.config import deepspeed_zero_setting
+    from zerolens.errors import UserError
+    config = {"zero_optimization": {"reduce_bucket_size": 2e6, "stage3_param_persistence_threshold": "auto"}}
+    assert deepspeed_zero_setting(config, {}, "reduce_bucket_size", 5e7) == 2_000_000
+    assert deepspeed_zero_setting(config, {"zero_optimization": {"reduce_bucket_size": 7}}, "reduce_bucket_size",
+                                  5e7) == 7
+    assert deepspeed_zero_setting(config, {}, "stage3_param_persistence_threshold", 100_000) == 100_000
+    assert deepspeed_zero_setting({"zero_optimization": {"param_persistence_threshold": 10}}, {},
+                                  "stage3_param_persistence_threshold", 100_000) == 10
+    with pytest.raises(UserError, match="zero_optimization.reduce_bucket_size must be a number"):
+        deepspeed_zero_setting({"zero_optimization": {"reduce_bucket_size": "big"}}, {}, "reduce_bucket_size", 5e7)
 
 
 @pytest.mark.parametrize("content, message", [

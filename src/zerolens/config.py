@@ -28,6 +28,7 @@ from .faults import fault_from_environment
 from .hf import PREFIX as HF_PREFIX
 from .model import PRESETS, ModelConfig, parameter_shapes, user_model
 from .strategies import TrainSettings, registry
+from .theory import STAGE3_PERSISTENCE_THRESHOLD
 
 
 # AdamW's learning rate per preset. 1e-4 is the case study's. At width 1024 without warm-up it
@@ -55,7 +56,10 @@ class RunConfig:
     seed: int = 0
     micro_batch: int = 8
     lr: float = 1e-4
+    # DeepSpeed's reduce_bucket_size and ZeRO-3's param_persistence_threshold: a user's DeepSpeed
+    # config (--ds-config, --ds-override) sets them where it has them (deepspeed_zero_setting).
     reduce_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD
     gradient_clipping: float = 1.0  # DeepSpeed's default; DDP is clipped the same way
     fused_adam: bool = False
     ds_override: dict = field(default_factory=dict)
@@ -316,6 +320,24 @@ def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, worl
                             f"pass --precision {dtype} or set \"enabled\" to \"auto\"")
 
 
+def deepspeed_zero_setting(ds_config: dict, ds_override: dict, key: str, default) -> int:
+    """zero_optimization.`key` (or its name without "stage3_") as the run's DeepSpeed config sets
+    it, --ds-override over --ds-config, in elements; `default` where neither sets it or it is "auto".
+    What DeepSpeed will use, so that what zerolens predicts of it agrees (theory.py, predict_peak.py)."""
+    for source, where in ((ds_override, "--ds-override"), (ds_config, "--ds-config")):
+        section = source.get("zero_optimization") or {}
+        for name in (key, key.removeprefix("stage3_")):
+            value = section.get(name)
+            if value in (None, "auto"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise UserError(f"{where}: zero_optimization.{name} must be a number of elements, got {value!r}")
+            return int(value)
+    if not math.isfinite(default):
+        raise UserError(f"--reduce-bucket-size must be a number of elements, got {default}")
+    return int(default)
+
+
 def ds_override_from_json(text: str | None) -> dict:
     if text is None:
         return {}
@@ -444,14 +466,16 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     # verify has no warm-up; bench's default is 3 untimed steps.
     warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
     micro_batch = micro_batch_of(args, nproc)
-    if not math.isfinite(args.reduce_bucket_size):
-        raise UserError(f"--reduce-bucket-size must be a number of elements, got {args.reduce_bucket_size}")
+    ds_config, ds_override = ds_config_from_file(args.ds_config), ds_override_from_json(args.ds_override)
+    reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
+    persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
+                                         STAGE3_PERSISTENCE_THRESHOLD)
     config = RunConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
                        precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
-                       micro_batch=micro_batch, reduce_bucket_size=int(args.reduce_bucket_size),
+                       micro_batch=micro_batch, reduce_bucket_size=reduce_bucket_size,
+                       param_persistence_threshold=persistence,
                        gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
-                       ds_override=ds_override_from_json(args.ds_override),
-                       ds_config=ds_config_from_file(args.ds_config), ds_config_path=args.ds_config,
+                       ds_override=ds_override, ds_config=ds_config, ds_config_path=args.ds_config,
                        job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
                        memory_limit_gib=getattr(args, "memory_limit_gib", None),
                        preset=args.model or args.preset, model=model_from_args(args), out=args.out,
@@ -507,6 +531,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     for name in config.strategies:
         try:
             registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
-                                      reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes)
+                                      reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes,
+                                      param_persistence_threshold=config.param_persistence_threshold)
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None

@@ -198,8 +198,9 @@ def why_not_predicted(name: str, config) -> str | None:
     spec = registry.spec(name)
     if spec.step_model is None:
         return not_predicted_yet(name)
-    if spec.needs_deepspeed and (config.ds_config or config.ds_override):
-        return "a DeepSpeed config of your own (--ds-config/--ds-override) may allocate what the step model does not"
+    unmodelled = spec.not_modelled(config.train_settings())
+    if unmodelled:
+        return f"its step model does not model these settings of the run's DeepSpeed config: {'; '.join(unmodelled)}"
     if config.model.compile_blocks:
         return "--compile changes what forward saves; the prediction traces the eager model"
     return None

@@ -8,7 +8,7 @@ from .checks import (MIN_STEPS_TO_JUDGE_LEARNING, allocator_check, loss_fell, lo
 from .config import RunConfig
 from .tables import SCHEMA_VERSION, MiB
 from .strategies import registry
-from .theory import ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
+from .theory import ELEMENT_BYTES, RETAINED_KEYS, deepspeed_layout
 
 
 def median_step_seconds(records: list[dict]) -> float | None:
@@ -104,7 +104,8 @@ def build_summary(config: RunConfig, gathered: list[list[dict]], param_numels: l
         for r, rank in enumerate(strategies[name]["ranks"]):
             predicted = registry.predict_retained(name, param_numels, config.nproc, r, config.precision,
                                          reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
-                                         deepspeed=deepspeed_layout(versions.get("deepspeed")))
+                                         deepspeed=deepspeed_layout(versions.get("deepspeed")),
+                                         param_persistence_threshold=config.param_persistence_threshold)
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
         prediction = (predicted_peaks or {}).get(name, {"why_not": "not predicted in this run"})
         if "ranks" in prediction:
@@ -244,6 +245,6 @@ def persistent_parameter_notes(config: RunConfig, strategies: dict) -> list[str]
         if registry.spec(name).keeps_small_params_whole and held > base:
             notes.append(f"{name} holds {held / MiB:.3f} MiB of parameters per rank against {base / MiB:.3f} MiB "
                          f"under {config.baseline}: beside its 1/{config.nproc} shards, it keeps every parameter of "
-                         f"at most {STAGE3_PERSISTENCE_THRESHOLD:,} elements (DeepSpeed's param_persistence_threshold) "
+                         f"at most {config.param_persistence_threshold:,} elements (DeepSpeed's param_persistence_threshold) "
                          "gathered whole on every rank after its first use, which on a small model is most of it")
     return notes

@@ -143,6 +143,7 @@ class Layout:
     rank: int
     precision: str
     reduce_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD  # ZeRO-3: kept whole at most this many
     param_shapes: list[tuple[int, ...]] | None = None  # FSDP2 needs them; the others only sizes
     deepspeed: DeepSpeedLayout = DEEPSPEED_0_19
 
@@ -206,7 +207,7 @@ def deepspeed_stage3_layout(x: Layout) -> dict:
     # Small parameters stay gathered after their first use, in a buffer of N padded shards.
     # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
     persistent = 0 if x.world_size == 1 else sum(math.ceil(n / x.world_size) * x.world_size for n in x.param_numels
-                                                 if n <= STAGE3_PERSISTENCE_THRESHOLD)
+                                                 if n <= x.param_persistence_threshold)
     return retained(e * (shard + persistent), e * shard, e * shard, (FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
                     e * x.reduce_bucket_size, shard)
 

@@ -93,6 +93,12 @@ def scaled_step_without_reading_values(scaler, optimizer: torch.optim.Optimizer,
 class Strategy(abc.ABC):
     name: str
 
+    @classmethod
+    def not_modelled(cls, settings: TrainSettings, **options) -> list[str]:
+        """A step model's (predict_peak.py): the run's settings it does not model, as "key: value"
+        (none by default); where there are any, the run's peak is not predicted and they are said."""
+        return []
+
     @abc.abstractmethod
     def setup(self, model: nn.Module, device: torch.device) -> None:
         """Wrap the model (fp32, on the CPU) and build the optimizer."""

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib.util
 import io
+import json
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -272,6 +275,86 @@ def reduce_buckets(optimizer) -> list[torch.Tensor]:
     return list(required(optimizer, "ipg_buffer") or [])
 
 
+# A DeepSpeed config of the user's own (--ds-config, --ds-override) and the step models: what in it
+# they read, what allocates nothing on the GPU during a step, and, for everything else, the value they
+# assume (zerolens's own config's). Any other key or value leaves the run unpredicted, said by name.
+ALLOCATES_NOTHING = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "tensorboard",
+                     "wandb", "csv_monitor", "comet", "zero_allow_untested_optimizer", "dump_state"}
+LOSS_SCALING = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "consecutive_hysteresis", "min_loss_scale"}
+# zero_optimization fields (DeepSpeedZeroConfig's names) the step models read, or that change
+# nothing they allocate (checkpoint saving and loading, logging, a stage's settings at other stages).
+ZERO_FIELDS_READ = {
+    0: None,  # without ZeRO the section is not read
+    1: {"stage", "reduce_bucket_size"},
+    2: {"stage", "reduce_bucket_size"},
+    3: {"stage", "reduce_bucket_size", "sub_group_size", "prefetch_bucket_size", "max_live_parameters",
+        "max_reuse_distance", "param_persistence_threshold"},
+}
+ZERO_FIELDS_INERT = {"elastic_checkpoint", "load_from_fp32_weights", "gather_16bit_weights_on_model_save",
+                     "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters",
+                     "log_trace_cache_warnings", "pipeline_loading_checkpoint", "enable_sanity_checks"}
+ZERO_FIELDS_OF_STAGE3 = {"sub_group_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+                         "param_persistence_threshold", "model_persistence_threshold", "allgather_sequential",
+                         "module_granularity_threshold", "use_all_reduce_for_fetch_params", "leaf_module",
+                         "override_module_apply", "memory_efficient_linear", "zero_quantized_nontrainable_weights"}
+
+
+def brief(value):
+    """An offload section by its device alone (the rest is DeepSpeed's defaults, filled in)."""
+    return {"device": value["device"]} if isinstance(value, dict) and "device" in value else value
+
+
+def zero_config(config: dict):
+    """The zero_optimization section as DeepSpeed reads it (DeepSpeedZeroConfig: its defaults,
+    aliases such as stage3_prefetch_bucket_size, and overlap_comm's stage-dependent default)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+
+
+def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
+    """What in the run's DeepSpeed config (the user's, filled and overridden as the run will use
+    it) the step model of `stage` does not model, as "key: value"; empty without a config of the
+    user's own."""
+    if not (settings.user_ds_config or settings.ds_override):
+        return []
+    if importlib.util.find_spec("deepspeed") is None:  # reading the config takes DeepSpeed's own parser
+        return ["a DeepSpeed config (reading it needs DeepSpeed installed)"]
+    plain = dataclasses.replace(settings, user_ds_config={}, ds_override={})
+    ours, theirs = DeepSpeedZero(plain, stage=stage).ds_config(), DeepSpeedZero(settings, stage=stage).ds_config()
+    out = []
+    for key, value in theirs.items():
+        if key in ALLOCATES_NOTHING or key == "zero_optimization" or value == ours.get(key):
+            continue
+        if key == "optimizer":
+            params = value.get("params", {})
+            if str(value.get("type", "")).lower() not in ("adam", "adamw"):
+                out.append(f"optimizer.type: {value.get('type')}")
+            if params.get("torch_adam") is not True:
+                out.append("optimizer.params.torch_adam: not true (DeepSpeed's own FusedAdam)")
+            if bool(params.get("fused", False)) != settings.fused_adam:
+                out.append(f"optimizer.params.fused: {params.get('fused')} (the run's --fused-adam is "
+                           f"{settings.fused_adam})")
+        elif key in ("fp16", "bf16") and isinstance(value, dict):
+            out += [f"{key}.{k}: {v}" for k, v in value.items() if k not in LOSS_SCALING]
+        elif key == "communication_data_type" and value == {"fp16": "fp16", "bf16": "bf16"}.get(settings.precision,
+                                                                                                 "fp32"):
+            continue
+        elif (key, value) in (("prescale_gradients", False), ("gradient_predivide_factor", 1.0)):
+            continue
+        else:
+            out.append(f"{key}: {json.dumps(value)}")
+    read = ZERO_FIELDS_READ[stage]
+    if read is not None:
+        mine, yours = zero_config(ours).model_dump(), zero_config(theirs).model_dump()
+        ignored = read | ZERO_FIELDS_INERT | (set() if stage == 3 else ZERO_FIELDS_OF_STAGE3)
+        out += [f"zero_optimization.{k}: {json.dumps(brief(yours[k]), default=str)}" for k in yours
+                if k not in ignored and yours[k] != mine.get(k)]
+    return out
+
+
 def torch_adamw(params, settings: TrainSettings, cuda: bool) -> torch.optim.Optimizer:
     """torch's AdamW as DeepSpeed builds it with torch_adam, for the step models: foreach on CUDA
     (torch's default there, which the CPU would not pick when a CUDA run is traced on it), unless
@@ -308,6 +391,9 @@ class DeepSpeedStepModel(Strategy):
             raise ValueError(f"no step model for ZeRO-{stage}")
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = DTYPES[settings.precision]
+        # A user's DeepSpeed config's reduce_bucket_size, if it has one, is in the settings already
+        # (config.deepspeed_zero_setting).
+        self.reduce_bucket_size = settings.reduce_bucket_size
         # The largest flat copy a collective reduces (a gloo run's thread may free it late: checks.py).
         self.collective_buffer_bytes = 0
 
@@ -368,9 +454,13 @@ class DeepSpeedStepModel(Strategy):
         self._reduce_bucket()
         self.bucket = None
 
+    @classmethod
+    def not_modelled(cls, settings: TrainSettings, *, stage: int) -> list[str]:
+        return not_modelled(settings, stage)
+
     def _bucket_at_first_gradient(self, p) -> None:
         if self.bucket is None:
-            self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
+            self.bucket = torch.empty(self.reduce_bucket_size, dtype=self.dtype, device=self.device)
 
     def _allreduce_in_buckets(self) -> None:
         """Stage 0 after backward (engine._backward_epilogue -> allreduce_gradients ->
@@ -400,7 +490,7 @@ class DeepSpeedStepModel(Strategy):
     def _into_bucket(self, p) -> None:
         with torch.no_grad():
             if self.bucket is None:  # setup_buckets, at the first gradient
-                self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
+                self.bucket = torch.empty(self.reduce_bucket_size, dtype=self.dtype, device=self.device)
             if self.bucket_used + p.numel() > self.bucket.numel():
                 self._reduce_bucket()
             self.pending.append(p)

@@ -402,6 +402,11 @@ class DeepSpeedStage3StepModel(Strategy):
         self.dtype = DTYPES[settings.precision]  # weights, gradients, communication (engine.py, get_data_types)
         self.config = DeepSpeedZeroConfig(**DeepSpeedZero(settings, stage=3).ds_config()["zero_optimization"])
 
+    @classmethod
+    def not_modelled(cls, settings: TrainSettings, *, stage: int) -> list[str]:
+        from .deepspeed import not_modelled
+        return not_modelled(settings, stage)
+
     # --- Set-up: what DeepSpeed holds before the first step -----------------------------------------
     def setup(self, model, device):
         c, n = self.config, self.world_size

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import UserError
-from ..theory import (ELEMENT_BYTES, RETAINED_KEYS, DeepSpeedLayout, Layout, deepspeed_flat_partition_layout,
+from ..theory import (ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, DeepSpeedLayout, Layout, deepspeed_flat_partition_layout,
                       deepspeed_stage0_layout, deepspeed_stage3_layout, fsdp2_layout, torch_ddp_layout)
 
 # (params, gradients after backward, optimizer states, buffers kept) per rank from a parameter count
@@ -64,14 +64,21 @@ class StrategySpec:
         strategy.name = self.name
         return strategy
 
-    def build_step_model(self, settings, *, rank: int, cuda: bool):
-        """The backend's step model (predict_peak.py); ValueError where there is none."""
+    def step_model_class(self):
+        """The class of the backend's step model (predict_peak.py); ValueError where there is none."""
         if self.step_model is None:
             raise ValueError(f"{self.name} has no step model")
         module, _, cls = self.step_model.partition(":")
-        strategy = getattr(importlib.import_module(module), cls)(settings, rank=rank, cuda=cuda, **self.options)
+        return getattr(importlib.import_module(module), cls)
+
+    def build_step_model(self, settings, *, rank: int, cuda: bool):
+        strategy = self.step_model_class()(settings, rank=rank, cuda=cuda, **self.options)
         strategy.name = self.name
         return strategy
+
+    def not_modelled(self, settings) -> list[str]:
+        """The run's settings its step model does not model (Strategy.not_modelled)."""
+        return self.step_model_class().not_modelled(settings, **self.options)
 
     def gradient_share(self, world_size: int) -> float:
         """The fraction of the unsharded gradient bytes a rank keeps after backward, before padding."""
@@ -110,10 +117,12 @@ def make_strategy(name: str, settings):
 
 def predict_retained(name: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
                      reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
-                     deepspeed: DeepSpeedLayout | None = None) -> dict:
+                     deepspeed: DeepSpeedLayout | None = None,
+                     param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD) -> dict:
     """Bytes a rank of strategy `name` holds per component (RETAINED_KEYS), from parameter sizes."""
     layout = Layout(param_numels=param_numels, world_size=world_size, rank=rank, precision=precision,
                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
+                    param_persistence_threshold=param_persistence_threshold,
                     **({"deepspeed": deepspeed} if deepspeed is not None else {}))
     predicted = spec(name).layout(layout)
     return {k: predicted[k] for k in RETAINED_KEYS}
