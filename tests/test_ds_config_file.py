@@ -81,6 +81,8 @@ def test_what_the_step_models_do_not_model_is_said_by_name():
         TrainSettings(precision="bf16", user_ds_config=theirs))
     assert registry.spec("zero0").not_modelled(TrainSettings(precision="bf16", ds_override={
         "zero_optimization": {"overlap_comm": True}})) == []
+    assert registry.spec("zero2").not_modelled(TrainSettings(precision="bf16", ds_override={
+        "zero_optimization": {"offload_optimizer": {"device": "none"}}})) == []  # no offload
     assert registry.spec("zero1").not_modelled(TrainSettings(precision="bf16", ds_override={
         "optimizer": {"params": {"torch_adam": False}}})) == [
         "optimizer.params.torch_adam: not true (DeepSpeed's own FusedAdam)"]

@@ -306,6 +306,12 @@ def brief(value):
     return {"device": value["device"]} if isinstance(value, dict) and "device" in value else value
 
 
+def without_offload_to_none(section: dict) -> dict:
+    """A parsed zero_optimization section with each offload to device "none" as no offload."""
+    return {k: None if isinstance(v, dict) and str(v.get("device")).rsplit(".", 1)[-1] == "none" else v
+            for k, v in section.items()}
+
+
 def zero_config(config: dict):
     """The zero_optimization section as DeepSpeed reads it (DeepSpeedZeroConfig: its defaults,
     aliases such as stage3_prefetch_bucket_size, and overlap_comm's stage-dependent default)."""
@@ -348,7 +354,7 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
             out.append(f"{key}: {json.dumps(value)}")
     read = ZERO_FIELDS_READ[stage]
     if read is not None:
-        mine, yours = zero_config(ours).model_dump(), zero_config(theirs).model_dump()
+        mine, yours = (without_offload_to_none(zero_config(c).model_dump()) for c in (ours, theirs))
         ignored = read | ZERO_FIELDS_INERT | (set() if stage == 3 else ZERO_FIELDS_OF_STAGE3)
         out += [f"zero_optimization.{k}: {json.dumps(brief(yours[k]), default=str)}" for k in yours
                 if k not in ignored and yours[k] != mine.get(k)]
