@@ -84,6 +84,23 @@ def test_fake_tensors_take_the_real_runs_attention_path():
     assert masking.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"  # put back
 
 
+def test_layer_drop_is_traced_as_dropping_no_layer():
+    """OPT (like Whisper and M2M100) draws torch.rand([]) against its layerdrop in training, a value
+    fake tensors cannot give: the trace draws 1.0, which drops no layer, and puts torch.rand back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerolens.hf import CausalLMLogits
+    config = transformers.AutoConfig.for_model(model_type="opt", hidden_size=64, ffn_dim=256, num_hidden_layers=2,
+                                               num_attention_heads=4, vocab_size=512, max_position_embeddings=128,
+                                               word_embed_proj_dim=64)
+    lm = CausalLMLogits(transformers.AutoModelForCausalLM.from_config(config)).train()
+    tokens = torch.randint(0, 512, (2, 16))
+    rand = torch.rand
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        logits = lm(mode.from_tensor(tokens))
+    assert tuple(logits.shape) == (2, 16, 512) and torch.rand is rand
+
+
 @pytest.mark.slow
 def test_verify_predicts_llamas_peaks_where_the_fake_trace_once_missed(tmp_path):
     """The tiny Llama on 2 CPU ranks with zero0 and fsdp2, which the trace once missed (a causal mask

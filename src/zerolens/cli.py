@@ -149,13 +149,22 @@ def estimate_parser(subparsers) -> None:
     p.add_argument("--batch", metavar="MODULE:FUNCTION",
                    help="with --model: how zerolens makes a batch (as for verify); needed to predict the peaks")
     p.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
-    p.add_argument("--seq-len", type=int, default=None, help="a preset's sequence length")
+    p.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="override the preset's (or a Hugging Face model's) number of layers")
+    p.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
+    p.add_argument("--seq-len", type=int, default=None, help="a preset's (or a Hugging Face model's) sequence length")
     p.add_argument("--activation-checkpointing", action="store_true", help="GPT presets: checkpoint each block")
+    p.add_argument("--fused-adam", action="store_true",
+                   help="torch's fused AdamW kernel for every strategy, as verify's --fused-adam (the step's peak "
+                        "differs: foreach AdamW's temporaries)")
+    p.add_argument("--gradient-clipping", type=float, default=1.0,
+                   help="as verify's: 0 turns clipping off, and with it the step's norm temporaries")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="what the peaks are predicted for (default cuda: the visible GPU's cuBLAS workspaces, "
                         "else compute capability 9.0's)")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
-    p.set_defaults(func=estimate_command, width=None, depth=None, heads=None, compile=False)
+    p.set_defaults(func=estimate_command, compile=False)
 
 
 def estimate_model(args: argparse.Namespace):
@@ -185,8 +194,12 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--reduce-bucket-size must be at least 1 element, got {args.reduce_bucket_size}")
     if args.micro_batch < 1:
         raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
-    if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing):
-        raise UserError("--batch/--seq-len/--activation-checkpointing need a model (--preset or --model), not --params")
+    if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing or
+                                    any(v is not None for v in (args.width, args.depth, args.heads))):
+        raise UserError("--batch/--width/--depth/--heads/--seq-len/--activation-checkpointing need a model "
+                        "(--preset or --model), not --params")
+    if not (math.isfinite(args.gradient_clipping) and args.gradient_clipping >= 0):
+        raise UserError(f"--gradient-clipping must be 0 (off) or a positive norm, got {args.gradient_clipping}")
     if args.batch and not args.model:
         raise UserError("--batch goes with --model")
     model_config = estimate_model(args)
@@ -206,7 +219,8 @@ def estimate_command(args: argparse.Namespace, argv: list[str]) -> int:
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
                           model_config=model_config, micro_batch=args.micro_batch,
-                          cuda_capability=target_capability(args.device))
+                          cuda_capability=target_capability(args.device), fused_adam=args.fused_adam,
+                          gradient_clipping=args.gradient_clipping)
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
     if args.json:

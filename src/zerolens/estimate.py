@@ -27,7 +27,8 @@ def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
 
 def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
              param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None,
-             model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None) -> dict:
+             model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None,
+             fused_adam: bool = False, gradient_clipping: float = 1.0) -> dict:
     """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
     rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
     With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
@@ -61,7 +62,8 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
             entry["ranks"] = ranks
             add_peaks(entry, name, model_config, TrainSettings(
                 precision=precision, world_size=world_size, micro_batch=micro_batch,
-                reduce_bucket_size=reduce_bucket_size), cuda_capability)
+                reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam, gradient_clipping=gradient_clipping),
+                cuda_capability)
         out["strategies"][name] = entry
     out |= {"micro_batch": micro_batch, "device": "cpu" if cuda_capability is None else "cuda",
             "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability))}

@@ -85,28 +85,40 @@ class CausalLMLogits(nn.Module):
         self.lm = lm
 
     def forward(self, tokens):
-        with sequences_unpacked_when_fake(tokens):
+        with as_in_the_real_run_when_fake(tokens):
             return self.lm(input_ids=tokens, use_cache=False).logits
 
 
 @contextmanager
-def sequences_unpacked_when_fake(tokens):
-    """While the peak is predicted on fake tensors, answer transformers' packed-sequence check as
-    the real run answers it. transformers looks at the position ids for several sequences packed in
-    one row (masking_utils.find_packed_sequence_indices); on tensors whose values it cannot read it
-    assumes they are packed, builds a (B, 1, T, T) mask and gives up SDPA's is_causal, so the trace
-    would take an attention path, and hold a mask, that the real run does not. zerolens passes no
-    position ids and every row is one sequence, so the real answer is always "not packed" (None)."""
+def as_in_the_real_run_when_fake(tokens):
+    """While the peak is predicted on fake tensors, whose values cannot be read, answer the two
+    questions transformers asks of values in training as the real run answers them:
+
+    - Are several sequences packed in one row? (masking_utils.find_packed_sequence_indices, from the
+      position ids.) Unable to tell, it would assume so, build a (B, 1, T, T) mask and give up SDPA's
+      is_causal: an attention path, and a mask, the real run does not have. zerolens passes no
+      position ids and every row is one sequence: "not packed" (None).
+    - Is this layer dropped? (LayerDrop in OPT, Whisper, M2M100 and others: torch.rand([]) <
+      layerdrop.) A draw of 1.0, which no layerdrop below 1 drops: with the default of 0 the real
+      run drops none either, and with more the prediction is of the step that drops none, the
+      highest."""
     if not isinstance(tokens, FakeTensor):
         yield
         return
+    import torch
     import transformers.masking_utils as masking
-    find = masking.find_packed_sequence_indices
+    find, rand = masking.find_packed_sequence_indices, torch.rand
+
+    def layer_drop_draw(*size, **kwargs):
+        # A Python number: compared with layerdrop it gives a plain bool (a tensor would be fake).
+        return 1.0 if size in (([],), ((),), ()) and not kwargs else rand(*size, **kwargs)
+
     masking.find_packed_sequence_indices = lambda position_ids: None
+    torch.rand = layer_drop_draw
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = find
+        masking.find_packed_sequence_indices, torch.rand = find, rand
 
 
 def build(model_config) -> nn.Module:
