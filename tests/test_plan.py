@@ -76,6 +76,21 @@ def test_plan_command_json():
     assert all(r["sent_per_step_bytes"] > 0 for r in out["fits"])
 
 
+def test_a_deepspeed_configs_bucket_is_the_one_planned_with():
+    """DeepSpeed uses the bucket size of the user's config, so plan does: ZeRO-2's 95 MiB default
+    bucket does not fit 80 MiB, a 1000-element one does."""
+    override = '{"zero_optimization": {"reduce_bucket_size": 1000}}'
+    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "zero2",
+                      "--micro-batches", "1", "--no-depth", "--jobs", "1", "--ds-override", override, "--json",
+                      timeout=300)
+    assert result.returncode == 0, result.stderr
+    fits = json.loads(result.stdout)["fits"]
+    assert fits and all(r["strategy"] == "zero2" and r["reduce_bucket_size"] == 1000 for r in fits)
+    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--reduce-bucket-sizes", "1e6,2e6",
+                      "--ds-override", override, timeout=120)
+    assert result.returncode == 2 and "sets reduce_bucket_size 1000" in result.stderr, result.stderr
+
+
 def test_plan_command_table_with_the_deepest_model():
     result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "84MiB", "--strategies", "ddp",
                       "--micro-batches", "1", "--jobs", "1", timeout=300)

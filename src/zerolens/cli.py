@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from . import __version__
 from .config import (PRESET_GPU_PRECISION, UserError, add_bench_arguments, add_verify_arguments, check_config,
-                     config_from_args, micro_batch_of, model_from_args, parse_strategies)
+                     config_from_args, deepspeed_zero_setting, micro_batch_of, model_from_args, parse_strategies)
 from .estimate import estimate, param_shapes_from_factory, render_estimate
 from .model import PRESETS, parameter_shapes
 from .strategies import registry
@@ -262,11 +262,17 @@ def plan_command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("plan predicts what fits on GPUs (--device cuda); on the CPU nothing runs out of memory")
     memory = plan.parse_memory(args.gpu_memory)
     micro_batches = plan.check_micro_batches(args.micro_batches)
-    buckets = plan.finite_bucket_sizes(args.reduce_bucket_sizes or str(args.reduce_bucket_size))
     if args.top < 1 or (args.jobs is not None and args.jobs < 1) or args.check < 0:
         raise UserError("--top and --jobs must be at least 1, --check at least 0")
     gpus = torch_gpus() if args.check else None
     config = config_from_args(args, gpus_visible=gpus if args.check else 0, checked=True)
+    # A DeepSpeed config of the user's own that sets reduce_bucket_size decides it (config.py,
+    # deepspeed_zero_setting): the grid has that one size.
+    ds_bucket = deepspeed_zero_setting(config.ds_config, config.ds_override, "reduce_bucket_size", 0) or None
+    if ds_bucket and args.reduce_bucket_sizes:
+        raise UserError("--reduce-bucket-sizes: the DeepSpeed config (--ds-config/--ds-override) sets "
+                        f"reduce_bucket_size {ds_bucket}, which DeepSpeed would use; plan with that one size")
+    buckets = plan.finite_bucket_sizes(args.reduce_bucket_sizes or str(ds_bucket or args.reduce_bucket_size))
     if args.check and gpus < config.nproc:
         raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "
                         "--check, or on the machine that will train")
