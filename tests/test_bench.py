@@ -1,4 +1,5 @@
 """`zerolens bench` end to end on 2 CPU processes, and the GPT preset's task."""
+import dataclasses
 import json
 
 import pytest
@@ -109,3 +110,31 @@ def test_the_workers_get_the_config_the_cli_resolved(tmp_path):
         assert load_config(str(tmp_path / "config.json")) == config
     defaults = config_from_args(parser.parse_args(["bench", "--device", "cpu"]))
     assert defaults.warmup_steps == 3 and defaults.steps == 10 and defaults.job == "bench"
+
+
+def test_bench_shows_each_ranks_phase_peaks_beside_the_prediction():
+    """On CUDA bench reads each phase's allocator peak (StepTimer.phase) and sets it beside the
+    peak predicted before training, per rank, with the error; the table goes to bench.md."""
+    from zerolens.bench import bench_summary, render_bench
+    from zerolens.config import RunConfig
+    from zerolens.model import PRESETS
+    config = RunConfig(strategies=("ddp",), baseline="ddp", nproc=2, device="cuda", precision="bf16", steps=2,
+                       warmup_steps=1, job="bench", preset="gpt-tiny", model=PRESETS["gpt-tiny"])
+    measured = {"forward": 1000, "backward": 2000, "step": 1500}
+
+    def rank_result(scale):
+        return {"name": "ddp", "seconds": [0.1, 0.1, 0.1], "losses": [6.0, 5.0, 4.0], "settings": {}, "notes": [],
+                "peak_bytes": 2000 * scale, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0,
+                **{f"peak_during_{p}": v * scale for p, v in measured.items()}}
+    predicted = {"ddp": {"ranks": [{f"peak_during_{p}": v * 1.01 for p, v in measured.items()} | {"peak_bytes": 2020}
+                                   for _ in range(2)]}}
+    summary = bench_summary(config, [[rank_result(1)], [rank_result(2)]], 10_000, "NVIDIA H200", {}, predicted)
+    rows = summary["strategies"]["ddp"]["phase_peaks"]
+    assert len(rows) == 2 * 3 and rows[1] == {"rank": 0, "phase": "backward", "measured_bytes": 2000,
+                                             "predicted_bytes": 2020.0, "error": pytest.approx(0.01)}
+    assert rows[4]["measured_bytes"] == 4000 and rows[4]["error"] == pytest.approx(2020 / 4000 - 1)
+    text = render_bench(summary, "zerolens bench")
+    assert "Peaks per phase, predicted before training and measured" in text and "| ddp | 1 | step |" in text
+    cpu = bench_summary(dataclasses.replace(config, device="cpu"), [[rank_result(1)], [rank_result(1)]], 10_000,
+                        "cpu", {}, predicted)
+    assert cpu["strategies"]["ddp"]["phase_peaks"] == [] and "Peaks per phase" not in render_bench(cpu, "x")

@@ -15,8 +15,9 @@ from statistics import median
 from .config import RunConfig
 from .data import make_batch
 from .model import training_flops_per_token
-from .tables import SCHEMA_VERSION, GiB, markdown_table
+from .tables import SCHEMA_VERSION, GiB, MiB, markdown_table
 from .strategies import registry
+from .strategies.base import PHASES
 
 # Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
 # reports. PCIe and NVL parts are slower than SXM: an unknown name gets no MFU (use --peak-tflops).
@@ -47,6 +48,22 @@ def predicted_peak(config: RunConfig, prediction: dict | None, measured: int | N
     peak = max(r["peak_bytes"] for r in prediction["ranks"])
     return {"predicted_peak_bytes": peak,
             "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}
+
+
+def phase_peaks(config: RunConfig, per_rank: list[dict], prediction: dict | None, earlier: int) -> list[dict]:
+    """CUDA: each rank's peak of each phase over every step (warm-up included), beside the peak
+    predicted before training (over the steps traced) and its relative error; [] on CPU, where
+    bench reads no allocator, or where earlier strategies' memory is in the peaks."""
+    if config.device != "cuda" or earlier:
+        return []
+    rows = []
+    for rank, measured in enumerate(per_rank):
+        for phase in PHASES:
+            got = measured.get(f"peak_during_{phase}")
+            want = prediction["ranks"][rank][f"peak_during_{phase}"] if prediction and "ranks" in prediction else None
+            rows.append({"rank": rank, "phase": phase, "measured_bytes": got, "predicted_bytes": want,
+                         "error": want / got - 1 if want is not None and got else None})
+    return rows
 
 
 def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, device_name: str,
@@ -89,6 +106,7 @@ def bench_summary(config: RunConfig, gathered: list[list[dict]], params: int, de
             "left_allocated_after_teardown_bytes": per_rank[0].get("left_allocated_by_this_strategy_bytes", 0),
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
             **predicted_peak(config, (predicted or {}).get(name), peak),
+            "phase_peaks": phase_peaks(config, per_rank, (predicted or {}).get(name), earlier),
         }
     for s in strategies.values():
         ref = strategies.get(REFERENCE)
@@ -128,6 +146,14 @@ def render_bench(summary: dict, command: str) -> str:
     peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
             if summary["device"] == "cuda" else
             "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
+    phase_rows = [[name, r["rank"], r["phase"], "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MiB:.1f}",
+                   "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.1f}",
+                   "-" if r["error"] is None else f"{r['error']:+.2%}"]
+                  for name, s in summary["strategies"].items() for r in s.get("phase_peaks", [])]
+    phases = ("\n## Peaks per phase, predicted before training and measured\n\nEach rank's allocator peak of each "
+              "phase over every step, warm-up included (MiB), and the prediction's error.\n\n"
+              + markdown_table(["strategy", "rank", "phase", "predicted", "measured", "error"], phase_rows) + "\n"
+              if phase_rows else "")
     notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
     for name, s in summary["strategies"].items():
         if s["earlier_strategies_left_bytes"]:
@@ -148,6 +174,7 @@ each step's slowest rank. {flops} {mfu}
 {peak}
 
 {table}
+{phases}
 {"Notes:" + notes if notes else ""}
 """
 

@@ -20,7 +20,7 @@ import torch
 from . import peaks
 from .census import MeasurementError, count, storage_bytes, storage_keys
 from .strategies import Strategy, registry
-from .strategies.base import dtensor_shapes_untraced
+from .strategies.base import PHASES, dtensor_shapes_untraced
 
 
 class MemoryProbe:
@@ -315,6 +315,7 @@ class StepTimer:
     def __init__(self, device: torch.device, warmup_steps: int):
         self.device, self.warmup_steps = device, warmup_steps
         self.cuda = device.type == "cuda"
+        self.highest = 0  # CUDA: the allocator's peak since setup, over the per-phase resets
 
     def label(self, strategy: Strategy, steps_done: int) -> str:
         return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
@@ -339,15 +340,31 @@ class StepTimer:
         synchronize(self.device)
         record["seconds"] = time.perf_counter() - start
 
+    @contextlib.contextmanager
     def phase(self, name: str, strategy: Strategy, record: dict, last: bool, loss=None):
-        return contextlib.nullcontext()
+        """CUDA: the allocator's peak of the phase. Reading and resetting the peak are host-side
+        figures of the caching allocator, with no synchronisation, so the timing is untouched; what
+        was reached before the reset is kept in `highest`."""
+        if not self.cuda:
+            yield
+            return
+        self.highest = max(self.highest, torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        record[f"peak_during_{name}"] = torch.cuda.max_memory_allocated()
 
     def after_last_step(self, strategy: Strategy, record: dict, run) -> None:
         pass
 
     def finished(self, run) -> None:
-        # The peak over every step, warm-up included (the optimizer's states appear in the first).
-        run.measured["peak_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else None
+        # The peak over every step, warm-up included (the optimizer's states appear in the first),
+        # and each phase's highest over them.
+        if not self.cuda:
+            run.measured["peak_bytes"] = None
+            return
+        run.measured["peak_bytes"] = max(self.highest, torch.cuda.max_memory_allocated())
+        for name in PHASES:
+            run.measured[f"peak_during_{name}"] = max(r.get(f"peak_during_{name}", 0) for r in run.records)
 
 
 def synchronize(device: torch.device) -> None:
