@@ -21,9 +21,9 @@ from pathlib import Path
 from zerolens.checks import predicted_for_measurement
 from zerolens.config import RunConfig, check_config
 from zerolens.model import PRESETS
+from zerolens.strategies.base import PHASES
 from zerolens.tables import GiB, MiB, markdown_table
 
-PHASES = ("forward", "backward", "step")
 
 
 def point_config(args, preset: str, micro_batch: int, checkpointing: bool, out: Path) -> RunConfig:

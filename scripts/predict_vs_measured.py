@@ -13,6 +13,7 @@ import torch
 from zerolens import predict_peak
 from zerolens.checks import predicted_for_measurement
 from zerolens.config import load_config
+from zerolens.strategies.base import PHASES
 
 parser = argparse.ArgumentParser()
 parser.add_argument("run")
@@ -33,4 +34,4 @@ for name, s in summary["strategies"].items():
         p = predicted_for_measurement(r | {"predicted_peaks": prediction})
         print(name, r["rank"], prediction["traced_on"], " ".join(
             f"{ph} {p[f'peak_during_{ph}'] / 2**20:.1f}/{r[f'peak_during_{ph}'] / 2**20:.1f} MiB "
-            f"{p[f'peak_during_{ph}'] / r[f'peak_during_{ph}'] - 1:+.2%}" for ph in ("forward", "backward", "step")))
+            f"{p[f'peak_during_{ph}'] / r[f'peak_during_{ph}'] - 1:+.2%}" for ph in PHASES))

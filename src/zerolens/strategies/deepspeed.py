@@ -397,9 +397,6 @@ class DeepSpeedStepModel(Strategy):
             raise ValueError(f"no step model for ZeRO-{stage}")
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = DTYPES[settings.precision]
-        # A user's DeepSpeed config's reduce_bucket_size, if it has one, is in the settings already
-        # (config.deepspeed_zero_setting).
-        self.reduce_bucket_size = settings.reduce_bucket_size
         # The largest flat copy a collective reduces (a gloo run's thread may free it late: checks.py).
         self.collective_buffer_bytes = 0
 
@@ -465,8 +462,10 @@ class DeepSpeedStepModel(Strategy):
         return not_modelled(settings, stage)
 
     def _bucket_at_first_gradient(self, p) -> None:
+        """setup_buckets, at the first gradient: the reduce bucket of reduce_bucket_size elements (a
+        user's DeepSpeed config's, where it sets one: config.deepspeed_zero_setting)."""
         if self.bucket is None:
-            self.bucket = torch.empty(self.reduce_bucket_size, dtype=self.dtype, device=self.device)
+            self.bucket = torch.empty(self.settings.reduce_bucket_size, dtype=self.dtype, device=self.device)
 
     def _allreduce_in_buckets(self) -> None:
         """Stage 0 after backward (engine._backward_epilogue -> allreduce_gradients ->
@@ -495,8 +494,7 @@ class DeepSpeedStepModel(Strategy):
 
     def _into_bucket(self, p) -> None:
         with torch.no_grad():
-            if self.bucket is None:  # setup_buckets, at the first gradient
-                self.bucket = torch.empty(self.reduce_bucket_size, dtype=self.dtype, device=self.device)
+            self._bucket_at_first_gradient(p)
             if self.bucket_used + p.numel() > self.bucket.numel():
                 self._reduce_bucket()
             self.pending.append(p)
