@@ -17,9 +17,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from zerolens.census import count
-from zerolens.data import global_batch, rank_slice
-from zerolens.model import ModelConfig, build_model
+from zerolens.measure.census import count
+from zerolens.models.data import global_batch, rank_slice
+from zerolens.models.model import ModelConfig, build_model
 from zerolens.strategies import TrainSettings, make_strategy
 
 parser = argparse.ArgumentParser()

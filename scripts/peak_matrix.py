@@ -18,12 +18,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from zerolens.checks import predicted_for_measurement
-from zerolens.config import RunConfig, check_config
-from zerolens.model import PRESETS
+from zerolens.models.model import PRESETS
+from zerolens.report.checks import predicted_for_measurement
+from zerolens.report.tables import markdown_table
+from zerolens.run.config import RunConfig
+from zerolens.run.validate import check_config
 from zerolens.strategies.base import PHASES
-from zerolens.tables import GiB, MiB, markdown_table
-
+from zerolens.units import GiB, MiB
 
 
 def point_config(args, preset: str, micro_batch: int, checkpointing: bool, out: Path) -> RunConfig:
@@ -69,7 +70,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--memory-limit-gib", type=float, default=None)
     args = parser.parse_args()
-    from zerolens.jobs import run_in_new_folder
+    from zerolens.run.jobs import run_in_new_folder
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python3", "scripts/peak_matrix.py", *sys.argv[1:]])
@@ -99,10 +100,11 @@ def run_capped(config: RunConfig, label: str, out: Path, command: str) -> None:
     strategy predicted above the cap must run out of memory; one predicted with at least
     plan.TIGHT_HEADROOM of the cap to spare must fit (and its peak be as predicted); one in between
     is tight (fragmentation, not predicted, decides), and its outcome is recorded, not checked."""
-    from zerolens.jobs import run_in_new_folder
-    from zerolens.plan import TIGHT_HEADROOM
-    from zerolens.predict_peak import predicted_peaks
     import torch
+
+    from zerolens.commands.plan import TIGHT_HEADROOM
+    from zerolens.predict.peak import predicted_peaks
+    from zerolens.run.jobs import run_in_new_folder
     limit = allocator_limit(config)
     predicted = predicted_peaks(config, torch.cuda.get_device_capability())
     results = {}

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from zerolens import predict_peak
-from zerolens.checks import predicted_for_measurement
-from zerolens.config import load_config
+from zerolens.predict import peak as predict_peak
+from zerolens.report.checks import predicted_for_measurement
+from zerolens.run.config import load_config
 from zerolens.strategies.base import PHASES
 
 parser = argparse.ArgumentParser()

@@ -22,10 +22,10 @@ import warnings
 
 import torch
 
-from zerolens.data import make_batch
-from zerolens.measure import reset_tracker_peak, tracker_total
-from zerolens.model import PRESETS, meta_model
-from zerolens.predict_peak import PHASES, fake_process_group, totals_tracker
+from zerolens.measure.tracker import reset_tracker_peak, tracker_total
+from zerolens.models.data import make_batch
+from zerolens.models.model import PRESETS, meta_model
+from zerolens.predict.peak import PHASES, fake_process_group, totals_tracker
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.deepspeed import DeepSpeedZero
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import free_port
 
 
@@ -33,7 +32,7 @@ def _entry(fn, rank, world_size, port, folder, args):
         Path(folder, f"{rank}.pkl").write_bytes(pickle.dumps(result))
         dist.destroy_process_group()
         Path(folder, f"{rank}.done").write_text("")
-        os._exit(0)  # as zerolens.worker does: skip an interpreter teardown that has aborted here
+        os._exit(0)  # as zerolens.run.worker does: skip an interpreter teardown that has aborted here
     except BaseException:
         Path(folder, f"{rank}.err").write_text(traceback.format_exc())
         raise

@@ -1,6 +1,6 @@
 """The allocator check's arithmetic on hand-made figures: the allocator's rounding of the census's
 own blocks is explained; a buffer the census does not know of is not."""
-from zerolens.checks import allocator_check
+from zerolens.report.checks import allocator_check
 
 MiB = 2**20
 

@@ -5,16 +5,17 @@ import json
 
 import pytest
 import torch
-
 from conftest import zerolens
 from distributed import spawn
-from zerolens.checks import LOSS_MATCH_TOLERANCE
-from zerolens.theory import deepspeed_layout
+
+from zerolens.report.checks import LOSS_MATCH_TOLERANCE
+from zerolens.strategies.layout import deepspeed_layout
 
 
 def state_after_setup(rank, world_size):
     import deepspeed
-    from zerolens.model import ModelConfig, build_model
+
+    from zerolens.models.model import ModelConfig, build_model
     from zerolens.strategies import TrainSettings, make_strategy
     from zerolens.strategies.deepspeed import loss_factor_of_backward, loss_scale
     deepspeed.init_distributed(dist_backend="gloo")

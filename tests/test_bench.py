@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-
 from conftest import zerolens
-from zerolens.bench import datasheet_peak
-from zerolens.data import lm_batch
-from zerolens.model import PRESETS, build_model, num_params, parameter_shapes, training_flops_per_token
+
+from zerolens.models.data import lm_batch
+from zerolens.models.model import PRESETS, build_model, num_params, parameter_shapes, training_flops_per_token
+from zerolens.report.bench import datasheet_peak
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +94,12 @@ def test_datasheet_peaks():
 def test_the_workers_get_the_config_the_cli_resolved(tmp_path):
     """The CLI resolves the flags once and writes config.json; the workers load that file: the
     configuration is the one the CLI resolved, whatever the flags, bench's defaults included."""
-    from zerolens.cli import ArgumentParser, bench_parser
-    from zerolens.config import config_from_args, load_config, save_config
+    from zerolens.cli import ArgumentParser
+    from zerolens.commands import bench
+    from zerolens.run.config import load_config, save_config
+    from zerolens.run.flags import config_from_args
     parser = ArgumentParser(prog="zerolens")
-    bench_parser(parser.add_subparsers(dest="command"))
+    bench.add_parser(parser.add_subparsers(dest="command"))
     argv = ["bench", "--preset", "gpt-tiny", "--strategies", "ddp,fsdp2", "--nproc", "3", "--device", "cpu",
             "--precision", "fp32", "--width", "32", "--depth", "3", "--heads", "2", "--seq-len", "16",
             "--activation-checkpointing", "--lr", "0.01", "--seed", "5", "--micro-batch", "2",
@@ -115,9 +117,9 @@ def test_the_workers_get_the_config_the_cli_resolved(tmp_path):
 def test_bench_shows_each_ranks_phase_peaks_beside_the_prediction():
     """On CUDA bench reads each phase's allocator peak (StepTimer.phase) and sets it beside the
     peak predicted before training, per rank, with the error; the table goes to bench.md."""
-    from zerolens.bench import bench_summary, render_bench
-    from zerolens.config import RunConfig
-    from zerolens.model import PRESETS
+    from zerolens.models.model import PRESETS
+    from zerolens.report.bench import bench_summary, render_bench
+    from zerolens.run.config import RunConfig
     config = RunConfig(strategies=("ddp",), baseline="ddp", nproc=2, device="cuda", precision="bf16", steps=2,
                        warmup_steps=1, job="bench", preset="gpt-tiny", model=PRESETS["gpt-tiny"])
     measured = {"forward": 1000, "backward": 2000, "step": 1500}

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerolens.census import Holdings, MeasurementError, count, required, storage_bytes
+from zerolens.measure.census import Holdings, MeasurementError, count, required, storage_bytes
 
 
 def test_views_of_one_buffer_count_once_at_full_size():

@@ -8,14 +8,14 @@ padded shards, and ranks holding fewer rows than others).
 """
 import pytest
 import torch
-
 from distributed import spawn
-from zerolens.census import count
-from zerolens.data import global_batch, rank_slice
-from zerolens.model import ModelConfig, build_model
+
+from zerolens.measure.census import count
+from zerolens.models.data import global_batch, rank_slice
+from zerolens.models.model import ModelConfig, build_model
 from zerolens.strategies import TrainSettings, make_strategy, names
+from zerolens.strategies.layout import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
 from zerolens.strategies.registry import predict_retained
-from zerolens.theory import RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, deepspeed_layout
 
 STRATEGIES = names()
 

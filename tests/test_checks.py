@@ -4,7 +4,7 @@ import json
 import math
 from pathlib import Path
 
-from zerolens.checks import loss_matches
+from zerolens.report.checks import loss_matches
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -43,7 +43,7 @@ def test_losses_near_zero_and_not_finite():
 
 
 def test_metrics_complete_reads_every_ranks_own_file(tmp_path):
-    from zerolens.checks import metrics_complete
+    from zerolens.report.checks import metrics_complete
     for rank in range(2):
         lines = [json.dumps({"strategy": s, "rank": rank, "step": k, "loss": 1.0, "grad_bytes_after_backward": 8})
                  for s in ("zero0", "zero2") for k in range(3)]
@@ -62,8 +62,8 @@ def test_metrics_complete_reads_every_ranks_own_file(tmp_path):
 
 
 def test_the_peak_check_says_how_much_was_named_only_by_allocating_code():
-    from zerolens.checks import peak_check
-    from zerolens.peaks import PEAK_COMPONENTS
+    from zerolens.measure.peaks import PEAK_COMPONENTS
+    from zerolens.report.checks import peak_check
     parts = dict.fromkeys(PEAK_COMPONENTS, 0) | {"param": 600, "activation": 200, "backend_transient": 150,
                                                  "autograd_transient": 40, "unattributed": 6, "allocator_slack": 4}
     result = peak_check("zero2", 0, "backward", {"components": parts, "allocator_peak": 1000})
@@ -76,8 +76,8 @@ def test_the_peak_check_says_how_much_was_named_only_by_allocating_code():
 
 
 def test_gradient_bytes_wording_says_1_over_n_only_when_it_is_not():
-    from zerolens.checks import gradient_bytes_detail
-    from zerolens.theory import zero_partition_layout
+    from zerolens.report.checks import gradient_bytes_detail
+    from zerolens.strategies.layout import zero_partition_layout
     even = zero_partition_layout([100, 100], 2)[0]
     assert "exactly 1/2" in gradient_bytes_detail(200, 400, 2, even)
     odd = zero_partition_layout([150, 50], 2)[1]
@@ -88,7 +88,7 @@ def test_the_cpu_peak_check_allows_one_late_gloo_copy_above_the_prediction_only(
     """On CPU, gloo's thread may free its copy of a reduce-scatter's input after the next operation
     has allocated: measured above the prediction by at most that copy passes; below it, or above by
     more, does not."""
-    from zerolens.checks import peak_prediction_check
+    from zerolens.report.checks import peak_prediction_check
     predicted = {"peak_during_forward": 1_000_000, "peak_during_backward": 2_000_000, "peak_during_step": 1_500_000}
 
     def rank(backward_measured, copy):

@@ -1,13 +1,12 @@
 """zerolens's DDP census must not keep alive what DDP itself frees: the buckets it rebuilds after the
 first backward. Holding them cost 4 bytes per parameter through the second step (406.5 MiB on
-gpt-100m, 2xH200: scripts/ddp_bucket_hold.py)."""
+gpt-100m, 2xH200: docs/results/2xh200/issue14/ddp_bucket_hold.py)."""
 import torch
-
 from distributed import spawn
 
 
 def bucket_lifetimes(rank, world_size):
-    from zerolens.model import PRESETS, build_model
+    from zerolens.models.model import PRESETS, build_model
     from zerolens.strategies import TrainSettings, make_strategy
     strategy = make_strategy("ddp", TrainSettings(precision="fp32", world_size=world_size, micro_batch=2))
     strategy.setup(build_model(PRESETS["gpt-tiny"], 0), torch.device("cpu"))

@@ -3,8 +3,8 @@ zerolens's settings; bad files and inconsistent batch arithmetic end in one line
 import json
 
 import pytest
-
 from conftest import zerolens
+
 from zerolens.strategies import TrainSettings, make_strategy
 
 AUTO_CONFIG = {
@@ -89,8 +89,8 @@ def test_what_the_step_models_do_not_model_is_said_by_name():
 
 
 def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_with():
-    from zerolens.config import deepspeed_zero_setting
     from zerolens.errors import UserError
+    from zerolens.run.deepspeed_config import deepspeed_zero_setting
     config = {"zero_optimization": {"reduce_bucket_size": 2e6, "stage3_param_persistence_threshold": "auto"}}
     assert deepspeed_zero_setting(config, {}, "reduce_bucket_size", 5e7) == 2_000_000
     assert deepspeed_zero_setting(config, {"zero_optimization": {"reduce_bucket_size": 7}}, "reduce_bucket_size",

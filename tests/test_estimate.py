@@ -2,10 +2,10 @@
 import json
 
 import pytest
-
 from conftest import zerolens
+
 from zerolens.cli import main
-from zerolens.model import PRESETS, build_model
+from zerolens.models.model import PRESETS, build_model
 from zerolens.strategies.registry import predict_retained
 
 
@@ -88,8 +88,8 @@ def test_one_unit_per_table(capsys):
 
 
 def test_the_peak_of_every_rank_is_predicted_where_there_is_a_step_model(capsys, unpredicted_strategy):
-    from zerolens.model import PRESETS
-    from zerolens.predict_peak import predict_peaks
+    from zerolens.models.model import PRESETS
+    from zerolens.predict.peak import predict_peaks
     from zerolens.strategies import TrainSettings
     result = run_json(capsys, "--preset", "gpt-tiny", "--strategies", f"ddp,zero2,zero3,{unpredicted_strategy}",
                       "--nproc", "3", "--micro-batch", "4", "--device", "cpu")

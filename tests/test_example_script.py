@@ -4,7 +4,6 @@ import re
 import sys
 
 import pytest
-
 from conftest import REPO, free_port, run
 
 

@@ -3,10 +3,9 @@ through ZEROLENS_FAULT) ends every rank, names the rank and phase, keeps that ra
 marks the summary FAIL; run folders are never overwritten unless asked; the same seed gives the
 same losses."""
 import json
-
-import pytest
 import time
 
+import pytest
 from conftest import zerolens
 
 
@@ -105,7 +104,8 @@ def test_the_watchdog_ends_its_own_children_without_any_heartbeat(tmp_path):
     watchdog signals the processes it started, not PIDs read from files."""
     import subprocess
     import sys
-    from zerolens.launch import HangWatchdog, child_pids
+
+    from zerolens.run.launch import HangWatchdog, child_pids
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
         assert child.pid in child_pids()

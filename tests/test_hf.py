@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import zerolens
 from torch import nn
 
-from conftest import zerolens
-from zerolens.model import to_empty_keeping_ties
+from zerolens.models.model import to_empty_keeping_ties
 
 transformers = pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
@@ -38,9 +38,10 @@ def test_estimate_predicts_every_strategys_peak(model):
 
 
 def test_gpt2s_tied_embedding_is_one_parameter():
-    from zerolens.config import hf_model_from_args
-    from zerolens.model import parameter_shapes
     import argparse
+
+    from zerolens.models.model import parameter_shapes
+    from zerolens.run.flags import hf_model_from_args
     args = argparse.Namespace(model=GPT2, batch=None, width=None, heads=None, compile=False, depth=3, seq_len=None,
                               activation_checkpointing=False)
     config = hf_model_from_args(args)
@@ -67,7 +68,7 @@ def test_fake_tensors_take_the_real_runs_attention_path():
     import transformers.models.llama.modeling_llama as llama
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zerolens.hf import CausalLMLogits
+    from zerolens.models.hf import CausalLMLogits
     config = json.loads(Path(LLAMA[3:]).read_text())
     lm = CausalLMLogits(transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)))
     masks, create = [], llama.create_causal_mask
@@ -89,7 +90,7 @@ def test_layer_drop_is_traced_as_dropping_no_layer():
     fake tensors cannot give: the trace draws 1.0, which drops no layer, and puts torch.rand back."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zerolens.hf import CausalLMLogits
+    from zerolens.models.hf import CausalLMLogits
     config = transformers.AutoConfig.for_model(model_type="opt", hidden_size=64, ffn_dim=256, num_hidden_layers=2,
                                                num_attention_heads=4, vocab_size=512, max_position_embeddings=128,
                                                word_embed_proj_dim=64)

@@ -2,7 +2,7 @@
 seen it fit and the next depth fail, whatever the memory's shape."""
 import pytest
 
-from zerolens.maxsize import largest_fitting_depth, max_fitting
+from zerolens.commands.maxsize import largest_fitting_depth, max_fitting
 
 GiB = 2**30
 
@@ -57,9 +57,9 @@ def test_nothing_fits_and_everything_fits():
 
 
 def fake_bench(limit_bytes, per_layer, fixed, oom_message="rank 1 ran out of GPU memory during zero2 step 0 backward"):
-    """zerolens.jobs.run_job for a search without GPUs: a trial's peak grows with its depth, and a
+    """zerolens.run.jobs.run_job for a search without GPUs: a trial's peak grows with its depth, and a
     depth beyond the limit fails as an out-of-memory rank does (WorkersFailed naming it)."""
-    from zerolens.launch import WorkersFailed
+    from zerolens.run.launch import WorkersFailed
     calls = []
 
     def run_job(point, command, quiet=False):
@@ -74,10 +74,11 @@ def fake_bench(limit_bytes, per_layer, fixed, oom_message="rank 1 ran out of GPU
 
 def test_run_maxsize_searches_each_strategy_and_writes_its_files(tmp_path, monkeypatch, capsys):
     import json
-    from zerolens import jobs
-    from zerolens.config import RunConfig
-    from zerolens.maxsize import run_maxsize
-    from zerolens.model import PRESETS
+
+    from zerolens.commands.maxsize import run_maxsize
+    from zerolens.models.model import PRESETS
+    from zerolens.run import jobs
+    from zerolens.run.config import RunConfig
     run_job, calls = fake_bench(24 * GiB, {"ddp": 2 * GiB, "zero2": GiB}, {"ddp": 2 * GiB, "zero2": 2 * GiB})
     monkeypatch.setattr(jobs, "run_job", run_job)
     config = RunConfig(strategies=("ddp", "zero2"), baseline="ddp", device="cuda", job="bench", steps=1,
@@ -99,10 +100,11 @@ def test_run_maxsize_searches_each_strategy_and_writes_its_files(tmp_path, monke
 
 def test_run_maxsize_stops_on_a_failure_that_is_not_out_of_memory(tmp_path, monkeypatch, capsys):
     import json
-    from zerolens import jobs
-    from zerolens.config import RunConfig
-    from zerolens.maxsize import run_maxsize
-    from zerolens.model import PRESETS
+
+    from zerolens.commands.maxsize import run_maxsize
+    from zerolens.models.model import PRESETS
+    from zerolens.run import jobs
+    from zerolens.run.config import RunConfig
     run_job, _ = fake_bench(24 * GiB, {"ddp": 2 * GiB, "zero2": GiB}, {"ddp": 2 * GiB, "zero2": 2 * GiB},
                             oom_message="rank 0 failed during zero2 step 0 forward: RuntimeError: boom")
     monkeypatch.setattr(jobs, "run_job", run_job)

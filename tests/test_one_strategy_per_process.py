@@ -4,16 +4,15 @@ of the strategies after it are kept aside, never reported as theirs. On CPU noth
 (its peaks come from a tracker of the strategy's own tensors), so what is left is simulated here;
 the GPU tests and docs/results/2xh200 show it with DDP's buckets."""
 import json
-
-import pytest
 from pathlib import Path
 
+import pytest
 import torch
-
 from distributed import spawn
-from zerolens.config import RunConfig
-from zerolens.model import PRESETS
-from zerolens.summary import leftover_notes, without_earlier_memory
+
+from zerolens.models.model import PRESETS
+from zerolens.report.summary import leftover_notes, without_earlier_memory
+from zerolens.run.config import RunConfig
 
 
 def config(out):
@@ -24,8 +23,9 @@ def config(out):
 
 def two_launches(rank, world_size, out):
     import deepspeed
-    import zerolens.worker as worker
-    from zerolens.train import Phase
+
+    import zerolens.run.worker as worker
+    from zerolens.run.train import Phase
     deepspeed.init_distributed(dist_backend="gloo")
     cfg, device, phase = config(out), torch.device("cpu"), Phase(rank=rank)
     worker.memory_left_behind = lambda device, before: 4096 if phase.strategy == "ddp" else 0  # DDP's buckets

@@ -1,5 +1,5 @@
 """The peak anatomy's replay and naming, on hand-made allocator snapshots (no GPU needed)."""
-from zerolens.peaks import live_block_sources, peak_anatomy, replay_to_peak
+from zerolens.measure.peaks import live_block_sources, peak_anatomy, replay_to_peak
 from zerolens.strategies import registry
 
 DS = [{"filename": "/x/site-packages/deepspeed/runtime/zero/stage_1_and_2.py", "line": 1, "name": "backward"}]

@@ -2,13 +2,13 @@
 import json
 
 import pytest
-
 from conftest import zerolens
-from zerolens import plan
-from zerolens.config import RunConfig
+
+from zerolens.commands import plan
 from zerolens.errors import UserError
-from zerolens.model import PRESETS
-from zerolens.tables import GiB, MiB
+from zerolens.models.model import PRESETS
+from zerolens.run.config import RunConfig
+from zerolens.units import GiB, MiB
 
 
 def tiny(*strategies) -> RunConfig:

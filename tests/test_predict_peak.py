@@ -4,10 +4,10 @@ check verify makes)."""
 import json
 
 import pytest
-
 from conftest import zerolens
-from zerolens.model import PRESETS, parameter_shapes
-from zerolens.predict_peak import cublas_workspace_bytes, predict_peaks
+
+from zerolens.models.model import PRESETS, parameter_shapes
+from zerolens.predict.peak import cublas_workspace_bytes, predict_peaks
 from zerolens.strategies import TrainSettings, registry
 
 PREDICTED = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2-grad", "fsdp2")
@@ -49,7 +49,7 @@ def test_a_cpu_target_holds_gloos_copy_of_each_reduce_scatter_input():
     """gloo reduces a copy of a reduce-scatter's input (FSDP2's backward), NCCL does not: the CPU
     prediction makes the copy, the CUDA one does not, and the largest is said for the CPU check:
     the largest FSDP2 group's gradients in fp32, FSDP2's reduce dtype here."""
-    from zerolens.model import meta_model
+    from zerolens.models.model import meta_model
     from zerolens.strategies.fsdp2 import repeated_blocks
     model_config = PRESETS["gpt-tiny"]
     settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
@@ -124,8 +124,8 @@ def test_zero3_gathering_and_reducing_is_predicted_within_one_percent(tmp_path):
 
 def test_a_model_that_cannot_be_traced_is_not_predicted_and_says_why(monkeypatch, unpredicted_strategy):
     """A model whose step fails on fake tensors (here: a trace that raises) keeps its run going."""
-    from zerolens import predict_peak
-    from zerolens.config import RunConfig
+    from zerolens.predict import peak as predict_peak
+    from zerolens.run.config import RunConfig
 
     def fails(*args, **kwargs):
         raise RuntimeError("data-dependent output\nmore lines")
@@ -142,6 +142,7 @@ def test_the_trace_leaves_no_process_group_behind_even_when_it_fails(monkeypatch
     """The trace runs as its rank under a fake default process group (FSDP2's own code needs one),
     destroyed afterwards whatever happens: the next trace, or another test, makes its own."""
     import torch.distributed as dist
+
     from zerolens.strategies.fsdp2 import TorchFSDP2StepModel
     settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
     predict_peaks("fsdp2", PRESETS["gpt-tiny"], settings, rank=1, steps=1)
@@ -158,7 +159,8 @@ def test_the_trace_leaves_no_process_group_behind_even_when_it_fails(monkeypatch
 def test_a_process_with_a_process_group_is_told_to_predict_in_a_fresh_one():
     """A training worker's default process group leaves no room for the trace's fake one."""
     import torch.distributed as dist
-    from zerolens.predict_peak import predict_or_why_not
+
+    from zerolens.predict.peak import predict_or_why_not
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         predicted = predict_or_why_not("ddp", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", world_size=1))
@@ -169,7 +171,7 @@ def test_a_process_with_a_process_group_is_told_to_predict_in_a_fresh_one():
 
 def saved_run_config(folder, **settings):
     """A run's config, saved in `folder` as config.json (as zerolens saves it before the workers start)."""
-    from zerolens.config import RunConfig, save_config
+    from zerolens.run.config import RunConfig, save_config
     config = RunConfig(**{"strategies": ("fsdp2-grad", "fsdp2"), "baseline": "fsdp2-grad", "nproc": 3,
                           "preset": "gpt-tiny", "model": PRESETS["gpt-tiny"], "micro_batch": 2, **settings})
     save_config(config, folder / "config.json", "test")
@@ -181,7 +183,7 @@ def test_a_fresh_process_predicts_what_this_one_does(tmp_path):
     out, each FSDP2 rank traced (the last one of 3 keeps fewer rows of gpt-tiny's parameters). The
     first FSDP2 trace in a process counts no DTensor shape work (fake global-size tensors, made
     once per process): its step peaks as every later step's."""
-    from zerolens.predict_peak import PREDICTED_PEAKS, predict_in_fresh_process
+    from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
     config = saved_run_config(tmp_path)
     predicted = predict_in_fresh_process(config, tmp_path, None)
     assert json.loads((tmp_path / PREDICTED_PEAKS).read_text()) == predicted
@@ -195,7 +197,7 @@ def test_a_fresh_process_predicts_what_this_one_does(tmp_path):
 
 def test_a_prediction_that_fails_or_takes_too_long_leaves_each_strategy_why_not(tmp_path):
     """The run goes on without a prediction: each strategy says why, with what the process said."""
-    from zerolens.predict_peak import PREDICTED_PEAKS, predict_in_fresh_process
+    from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
     config = saved_run_config(tmp_path, timeout=0.2)  # half of it for the prediction: too little to start
     predicted = predict_in_fresh_process(config, tmp_path, None)
     assert predicted["fsdp2"]["why_not"] == "the prediction took more than 0.1 s, and its process was ended"
@@ -213,7 +215,7 @@ def test_a_prediction_that_fails_or_takes_too_long_leaves_each_strategy_why_not(
 def test_ranks_traced_once_for_others_would_trace_the_same(name, preset, world_size):
     """predict_or_why_not traces one rank per retained layout (ranks_alike); every rank's own trace
     gives the same peaks as the rank that stands for it."""
-    from zerolens.predict_peak import ranks_alike
+    from zerolens.predict.peak import ranks_alike
     settings = TrainSettings(precision="bf16", world_size=world_size, micro_batch=2)
     alike = ranks_alike(name, PRESETS[preset], settings)
     own = {rank: predict_peaks(name, PRESETS[preset], settings, rank=rank, cuda_capability=(9, 0))
@@ -228,7 +230,7 @@ def test_ranks_traced_once_for_others_would_trace_the_same(name, preset, world_s
 def test_the_report_shows_fragmentation_beside_the_prediction_on_cuda():
     """On CUDA each phase's reserved peak and its excess over the allocated peak (fragmentation,
     not predicted) sit beside the predicted and measured peaks; on the CPU there is no allocator."""
-    from zerolens.report import peak_prediction_section
+    from zerolens.report.render import peak_prediction_section
     phases = ("forward", "backward", "step")
     predicted = {f"peak_during_{ph}": 100 * 2**20 for ph in phases} | {"peak_bytes": 100 * 2**20, "target": "cuda"}
     rank = {"rank": 0, "predicted_peaks": predicted, **{f"peak_during_{ph}": 101 * 2**20 for ph in phases},

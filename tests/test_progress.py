@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from distributed import spawn
 
 
@@ -17,10 +16,11 @@ class Terminal(io.StringIO):
 
 def progress_of_verify_and_bench(rank, world_size):
     import deepspeed
-    from zerolens.config import RunConfig
-    from zerolens.model import PRESETS
-    from zerolens.worker import run_strategy
-    from zerolens.train import Phase
+
+    from zerolens.models.model import PRESETS
+    from zerolens.run.config import RunConfig
+    from zerolens.run.train import Phase
+    from zerolens.run.worker import run_strategy
     deepspeed.init_distributed(dist_backend="gloo")
     sys.stderr = screen = Terminal()
     verify = RunConfig(strategies=("ddp",), baseline="ddp", nproc=1, steps=5, device="cpu", precision="fp32",

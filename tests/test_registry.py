@@ -4,8 +4,8 @@ verify like a built-in one."""
 import json
 
 import pytest
-
 from conftest import REPO, zerolens
+
 from zerolens.strategies import TrainSettings, make_strategy, registry
 
 PLUGIN = {"PYTHONPATH": str(REPO / "tests"), "ZEROLENS_PLUGINS": "zerolens_test_strategy"}

@@ -7,8 +7,8 @@ import pytest
 
 from zerolens.cli import main
 from zerolens.errors import UserError
-from zerolens.report import write_json
-from zerolens.runfolder import MARKER, new_run_folder
+from zerolens.report.files import write_json
+from zerolens.run.folder import MARKER, new_run_folder
 
 
 def hugging_face_model_folder(path):
@@ -52,13 +52,14 @@ def test_files_get_the_mode_an_ordinary_write_gives(tmp_path):
     old = os.umask(0o022)
     try:
         import importlib
-        import zerolens.report
-        importlib.reload(zerolens.report)  # it reads the umask once, at import
-        zerolens.report.write_json(tmp_path / "summary.json", {"a": 1})
+
+        import zerolens.report.files
+        importlib.reload(zerolens.report.render)  # it reads the umask once, at import
+        zerolens.report.files.write_json(tmp_path / "summary.json", {"a": 1})
         (tmp_path / "plain.txt").write_text("x")
     finally:
         os.umask(old)
-        importlib.reload(zerolens.report)
+        importlib.reload(zerolens.report.render)
     mode = stat.S_IMODE((tmp_path / "summary.json").stat().st_mode)
     assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
 

@@ -1,7 +1,7 @@
 """How FSDP2 finds the blocks it shards one group at a time (no process group needed)."""
 from torch import nn
 
-from zerolens.model import PRESETS, ModelConfig, build_model
+from zerolens.models.model import PRESETS, ModelConfig, build_model
 from zerolens.strategies.fsdp2 import repeated_blocks
 
 

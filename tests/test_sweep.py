@@ -3,11 +3,11 @@ with one verify per world size, gradient bytes following the prediction."""
 import json
 
 import pytest
-
 from conftest import zerolens
-from zerolens.model import PRESETS, build_model
+
+from zerolens.commands.sweep import across_n, across_n_checks, series
+from zerolens.models.model import PRESETS, build_model
 from zerolens.strategies import spec
-from zerolens.sweep import across_n, across_n_checks, series
 from zerolens.strategies.registry import predict_retained
 
 

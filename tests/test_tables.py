@@ -1,6 +1,6 @@
 """What zerolens prints reaches the terminal as it is: brackets in check details, paths or a user's
 names are text, not rich markup, and nothing is wider than 100 columns."""
-from zerolens.tables import WIDTH, failed_line, say, terminal_table, verdict_line
+from zerolens.report.tables import WIDTH, failed_line, say, terminal_table, verdict_line
 
 
 def test_brackets_are_printed_as_they_are(capsys):

@@ -1,4 +1,4 @@
-from zerolens.theory import zero_partition_layout
+from zerolens.strategies.layout import zero_partition_layout
 
 
 def test_layout_two_ranks_by_hand():
@@ -36,8 +36,8 @@ def test_rank_with_no_parameters_holds_a_zero_buffer():
     assert [r.overlapping_params for r in layout[1:]] == [(), (), ()]
 
 
+from zerolens.predict.formulas import deepspeed_estimator, paper_model_states  # noqa: E402
 from zerolens.strategies.registry import predict_retained  # noqa: E402
-from zerolens.theory import deepspeed_estimator, paper_model_states  # noqa: E402
 
 
 def test_predict_ddp_and_zero0_by_hand():
@@ -83,7 +83,8 @@ def test_predict_fsdp2_by_hand():
 
 def test_fsdp2_shards_follow_torch_chunk_including_ranks_with_no_rows():
     import torch
-    from zerolens.theory import fsdp2_shard_elements
+
+    from zerolens.strategies.layout import fsdp2_shard_elements
     for shape in [(4, 3), (1, 5), (7,), (5003, 24), (2, 2, 2)]:
         t = torch.empty(shape)
         for n in (1, 2, 3, 4):
@@ -96,14 +97,14 @@ def test_fsdp2_shards_follow_torch_chunk_including_ranks_with_no_rows():
 
 
 def test_deepspeed_layouts_by_release():
-    from zerolens.theory import DEEPSPEED_0_19, deepspeed_layout
+    from zerolens.strategies.layout import DEEPSPEED_0_19, deepspeed_layout
     assert deepspeed_layout("0.19.8") == deepspeed_layout("0.18.9") == deepspeed_layout("0.17.6") == DEEPSPEED_0_19
     assert deepspeed_layout("0.16.9").stage0_bf16_wrapper == "BF16_Optimizer"
     assert deepspeed_layout("0.15.4").stage0_bf16_wrapper == "BF16_Optimizer"  # no error: compat.py refuses it
 
 
 def test_predict_zero0_bf16_in_deepspeed_0_16_by_hand():
-    from zerolens.theory import deepspeed_layout
+    from zerolens.strategies.layout import deepspeed_layout
     sizes = [10, 3]  # 13 elements; N=2: padded to 16, 8 per rank
     z16 = predict_retained("zero0", sizes, 2, 1, "bf16", deepspeed=deepspeed_layout("0.16.9"))
     assert z16["param_bytes"] == 2 * 16  # the flat bf16 buffer, padding included

@@ -2,8 +2,8 @@
 import sys
 
 import pytest
-
 from conftest import run, zerolens
+
 from zerolens.cli import main
 
 
@@ -52,7 +52,8 @@ def test_deepspeed_not_installed(tmp_path):
 
 def test_fsdp2_needs_no_deepspeed(monkeypatch):
     import argparse
-    from zerolens.config import add_verify_arguments, config_from_args
+
+    from zerolens.run.flags import add_verify_arguments, config_from_args
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
     parser = argparse.ArgumentParser()
     add_verify_arguments(parser)
@@ -113,12 +114,13 @@ def test_every_setting_is_checked_before_any_worker_starts(argv, message, tmp_pa
     ("torch", "2.14.0", "ddp,fsdp2")])
 def test_a_release_whose_layout_zerolens_does_not_know_is_refused(package, version, strategies, monkeypatch,
                                                                   tmp_path, capsys):
+    import torch
+
     import zerolens.compat
-    import zerolens.config
     real = zerolens.compat.installed_version
     monkeypatch.setattr(zerolens.compat, "installed_version", lambda p: version if p == package else real(p))
     if package == "torch":
-        monkeypatch.setattr(zerolens.config.torch, "__version__", version)
+        monkeypatch.setattr(torch, "__version__", version)
     assert main(["verify", "--strategies", strategies, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     low, high = zerolens.compat.SUPPORTED[package]
@@ -136,7 +138,9 @@ def test_the_installed_releases_are_supported_and_say_nothing(tmp_path, capsys):
 
 def test_supported_ranges_match_pyproject():
     import re
+
     from conftest import REPO
+
     import zerolens.compat
     text = (REPO / "pyproject.toml").read_text()
     for package in ("torch", "deepspeed"):

@@ -3,7 +3,6 @@ measured and predicted like a preset; mistakes end in one line, exit 2, no run f
 import json
 
 import pytest
-
 from conftest import REPO, zerolens
 
 USER = ["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:tiny_batch"]
@@ -86,7 +85,7 @@ def test_batch_parameters_may_have_any_names(tmp_path):
 
 
 def test_batch_functions_are_called_by_name_where_they_can_be(monkeypatch):
-    from zerolens.data import user_batch
+    from zerolens.models.data import user_batch
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     for spec in ("zerolens_test_models:tiny_batch", "zerolens_test_models:keyword_only_batch",
                  "zerolens_test_models:batch_named_otherwise"):

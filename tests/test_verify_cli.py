@@ -2,12 +2,12 @@
 import json
 
 import pytest
-
 from conftest import zerolens
-from zerolens.checks import LOSS_MATCH_TOLERANCE
-from zerolens.model import ModelConfig, build_model
+
+from zerolens.models.model import ModelConfig, build_model
+from zerolens.report.checks import LOSS_MATCH_TOLERANCE
 from zerolens.strategies import registry
-from zerolens.theory import zero_partition_layout
+from zerolens.strategies.layout import zero_partition_layout
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,7 @@ def test_every_strategy_on_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_worker_runs_unchanged_under_torchrun(tmp_path):
     import sys
+
     from conftest import run
     out = tmp_path / "torchrun"
     result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

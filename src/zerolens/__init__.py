@@ -1,2 +1,4 @@
 """zerolens: what data-parallel sharding does to training memory, per rank, measured and predicted."""
-__version__ = "0.1.0"
+from zerolens._version import __version__
+
+__all__ = ["__version__"]

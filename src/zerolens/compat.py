@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from .errors import UserError
+from zerolens.errors import UserError
 
 # [lowest, first unsupported) as (major, minor).
 SUPPORTED = {"torch": ((2, 11), (2, 14)), "deepspeed": ((0, 16), (0, 20))}

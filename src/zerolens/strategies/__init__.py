@@ -1,7 +1,9 @@
-"""Data-parallel strategies: the Strategy interface (base.py), one module per backend (ddp.py,
-deepspeed.py, fsdp2.py), and the registry (registry.py), the one place that knows each by name."""
-from . import registry
-from .base import DTYPES, Strategy, TrainSettings, loss_of
-from .registry import make_strategy, names, spec
+"""strategies: the Strategy interface (base.py), one module per backend (ddp.py, deepspeed.py with
+deepspeed_stage3.py, fsdp2.py) with its step model, each backend's retained layout (layout.py), and the
+registry (registry.py), the one place that knows each by name. May import measure/, models/ and the
+foundation."""
+from zerolens.strategies import registry
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, loss_of
+from zerolens.strategies.registry import make_strategy, names, spec
 
 __all__ = ["DTYPES", "Strategy", "TrainSettings", "loss_of", "make_strategy", "names", "registry", "spec"]

@@ -9,13 +9,12 @@ the rank's partition lives inside the optimizer.
 from __future__ import annotations
 
 import abc
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..census import Holdings
+from zerolens.measure.census import Holdings
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PHASES = ("forward", "backward", "step")  # a training step, as a Strategy runs it
@@ -139,27 +138,3 @@ class ScaledStrategy(Strategy):
 
     def step(self):
         return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)
-
-
-@contextlib.contextmanager
-def dtensor_shapes_untraced():
-    """DTensor works out an op's output shape the first time it meets the op with those shapes, by
-    running it on fake tensors of the global shape (ShardingPropagator._propagate_tensor_meta_non_cached,
-    whose result is cached for the process). Nothing is allocated for that, but a tracker running as
-    a dispatch mode would count every such tensor: a foreach op's are every parameter's whole size
-    (2 MiB more in the first optimizer step of the first trace on gpt-tiny). Here that work runs with
-    the modes set aside, on fake tensors of its own: in the peak prediction's trace and in the CPU
-    measurement alike (FSDP2's step on 3 ranks was measured a gradient shard higher, now and then)."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import _disable_current_modes
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagate = propagator._propagate_tensor_meta_non_cached
-
-    def untraced(op_schema):
-        with _disable_current_modes():
-            return propagate(op_schema)
-    propagator._propagate_tensor_meta_non_cached = untraced
-    try:
-        yield
-    finally:
-        del propagator._propagate_tensor_meta_non_cached  # the class's own again

@@ -4,8 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..census import Holdings, optimizer_state_tensors, required
-from .base import DTYPES, ScaledStrategy, TrainSettings, loss_of, on_device, scaled_step_without_reading_values
+from zerolens.measure.census import Holdings, optimizer_state_tensors, required
+from zerolens.strategies.base import (
+    DTYPES,
+    ScaledStrategy,
+    TrainSettings,
+    loss_of,
+    on_device,
+    scaled_step_without_reading_values,
+)
 
 
 class TorchDDP(ScaledStrategy):
@@ -53,7 +60,7 @@ class TorchDDP(ScaledStrategy):
             # DDP rebuilds its buckets in the forward after the first backward (in the order the
             # gradients came) and frees the old ones then: our references must not keep them
             # alive. They held 4 bytes per parameter through the second step, 406.5 MiB on
-            # gpt-100m (scripts/ddp_bucket_hold.py, 2xH200); the next backward's hook refills this.
+            # gpt-100m (docs/results/2xh200/issue14/ddp_bucket_hold.py, 2xH200); the next backward's hook refills this.
             self.bucket_buffers.clear()
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.settings.precision != "fp32"):

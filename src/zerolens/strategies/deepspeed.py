@@ -10,8 +10,8 @@ import json
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..census import Holdings, MeasurementError, optimizer_state_tensors, required
-from .base import DTYPES, Strategy, TrainSettings, loss_of
+from zerolens.measure.census import Holdings, MeasurementError, optimizer_state_tensors, required
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, loss_of
 
 # runtime/engine.py's MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce buckets after backward close
 # once they hold more than this many elements (allreduce_no_retain).
@@ -401,7 +401,7 @@ class DeepSpeedStepModel(Strategy):
         self.collective_buffer_bytes = 0
 
     def setup(self, model, device):
-        from ..theory import zero_partition_layout
+        from zerolens.strategies.layout import zero_partition_layout
         self.device = device
         with torch.no_grad():
             params = list(model.parameters())

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..census import Holdings
-from .base import DTYPES, Strategy, TrainSettings, loss_of
-from .deepspeed import DeepSpeedZero, torch_adamw
+from zerolens.measure.census import Holdings
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, loss_of
+from zerolens.strategies.deepspeed import DeepSpeedZero, torch_adamw
 
 NOT_AVAILABLE, IN_FLIGHT, AVAILABLE = "not available", "in flight", "available"  # ZeroParamStatus
 
@@ -404,7 +404,7 @@ class DeepSpeedStage3StepModel(Strategy):
 
     @classmethod
     def not_modelled(cls, settings: TrainSettings, *, stage: int) -> list[str]:
-        from .deepspeed import not_modelled
+        from zerolens.strategies.deepspeed import not_modelled
         return not_modelled(settings, stage)
 
     # --- Set-up: what DeepSpeed holds before the first step -----------------------------------------

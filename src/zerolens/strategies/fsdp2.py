@@ -4,9 +4,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..census import Holdings, optimizer_state_tensors, required
-from .base import (DTYPES, ScaledStrategy, TrainSettings, dtensor_shapes_untraced, loss_of, on_device,
-                   scaled_step_without_reading_values)
+from zerolens.measure.census import Holdings, optimizer_state_tensors, required
+from zerolens.measure.tracker import dtensor_shapes_untraced
+from zerolens.strategies.base import (
+    DTYPES,
+    ScaledStrategy,
+    TrainSettings,
+    loss_of,
+    on_device,
+    scaled_step_without_reading_values,
+)
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

@@ -17,9 +17,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import UserError
-from ..theory import (ELEMENT_BYTES, RETAINED_KEYS, STAGE3_PERSISTENCE_THRESHOLD, DeepSpeedLayout, Layout, deepspeed_flat_partition_layout,
-                      deepspeed_stage0_layout, deepspeed_stage3_layout, fsdp2_layout, torch_ddp_layout)
+from zerolens.errors import UserError
+from zerolens.strategies.layout import (
+    ELEMENT_BYTES,
+    RETAINED_KEYS,
+    STAGE3_PERSISTENCE_THRESHOLD,
+    DeepSpeedLayout,
+    Layout,
+    deepspeed_flat_partition_layout,
+    deepspeed_stage0_layout,
+    deepspeed_stage3_layout,
+    fsdp2_layout,
+    torch_ddp_layout,
+)
 
 # (params, gradients after backward, optimizer states, buffers kept) per rank from a parameter count
 # Ψ, the world size N and the bytes of a 16-bit-or-not element e, without padding.

@@ -1,0 +1,248 @@
+"""`zerolens estimate`: per-rank memory predicted without training, GPUs or torch.distributed.
+
+Pure computation (`estimate`) apart from presentation (`render_estimate`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+from torch import nn
+
+from zerolens.errors import UserError
+from zerolens.models.model import PRESETS, load_user_function, parameter_shapes
+from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
+from zerolens.predict.peak import predict_or_why_not, target_capability
+from zerolens.report.tables import say
+from zerolens.run.flags import (
+    PRESET_GPU_PRECISION,
+    model_from_args,
+    parse_strategies,
+)
+from zerolens.strategies import TrainSettings, registry
+from zerolens.strategies.layout import ELEMENT_BYTES, deepspeed_layout
+
+
+def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
+    """`module:factory` -> the shapes of the model's parameters, built on the meta device (no memory)."""
+    factory = load_user_function(spec)
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied weight once
+
+
+def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
+             param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None,
+             model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None,
+             fused_adam: bool = False, gradient_clipping: float = 1.0) -> dict:
+    """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
+    rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
+    With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
+    (predict_peak.py) for `micro_batch` samples per rank, on CUDA (`cuda_capability`) or the CPU."""
+    param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
+    psi = sum(param_numels) if param_numels is not None else params
+    out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
+           "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
+           "strategies": {}}
+    for name in strategies:
+        spec = registry.spec(name)
+        entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, spec.paper_stage),
+                 "deepspeed_estimator_bytes": (deepspeed_estimator(psi, world_size, spec.paper_stage,
+                                                                   max(param_numels) if param_numels else 0)
+                                               if spec.needs_deepspeed else None)}
+        if param_numels is None:
+            entry["components"] = unpadded_components(spec, psi, world_size, precision)
+            entry["ranks"] = None
+        else:
+            ranks = []
+            for rank in range(world_size):
+                r = {"rank": rank, **registry.predict_retained(
+                    name, param_numels, world_size, rank, precision, reduce_bucket_size=reduce_bucket_size,
+                    param_shapes=param_shapes, deepspeed=deepspeed_layout())}  # the installed DeepSpeed's
+                r["transient_reduce_bucket_bytes"] = spec.reduce_bucket_bytes(precision, reduce_bucket_size)
+                # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
+                # of the gradients, ZeRO-3's reduce bucket).
+                r["retained_total_bytes"] = (r["param_bytes"] + r["grad_bytes_after_step"]
+                                             + r["optimizer_state_bytes"] + r["comm_buffer_bytes_after_backward"])
+                ranks.append(r)
+            entry["ranks"] = ranks
+            add_peaks(entry, name, model_config, TrainSettings(
+                precision=precision, world_size=world_size, micro_batch=micro_batch,
+                reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam, gradient_clipping=gradient_clipping),
+                cuda_capability)
+        out["strategies"][name] = entry
+    out |= {"micro_batch": micro_batch, "device": "cpu" if cuda_capability is None else "cuda",
+            "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability))}
+    return out
+
+
+def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cuda_capability) -> None:
+    """Each rank's predicted peaks into `entry`, or why there are none (`peak_not_predicted`)."""
+    if model_config is None:
+        entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"
+        return
+    predicted = predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability)
+    if "why_not" in predicted:
+        entry["peak_not_predicted"] = predicted["why_not"]
+        return
+    for rank, peaks in zip(entry["ranks"], predicted["ranks"]):
+        rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
+                                           "peak_bytes", "cublas_workspace_bytes")})
+
+
+def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int, precision: str) -> dict:
+    """Per-rank bytes by component from a parameter count alone: the strategy's layout (the
+    registry's `unpadded`: DDP's fp32 weights and gradients under autocast and its bucket copy;
+    DeepSpeed's 16-bit weights with fp32 masters; FSDP2's fp32 shards) without the padding and
+    partition-boundary terms, which need the parameters' sizes."""
+    params, grads, states, buffers = spec.unpadded(psi, world_size, ELEMENT_BYTES[precision])
+    return {"param_bytes": params, "grad_bytes_after_backward": grads, "optimizer_state_bytes": states,
+            "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states + buffers}
+
+
+def paper_gb(n: float) -> str:
+    """The ZeRO paper's unit: GB, 10^9 bytes."""
+    gb = n / 1e9
+    return f"{gb:,.1f}" if gb >= 10 else f"{gb:.3f}"
+
+
+def render_estimate(result: dict) -> list:
+    """The estimate for the terminal (rich renderables), one unit per table; --json has every figure."""
+    from zerolens.report.tables import in_unit, terminal_table, unit_for
+    n, psi = result["world_size"], result["params"]
+    lines = [f"zerolens estimate: {psi:,.0f} parameters, {n} ranks, {result['precision']}"]
+    entries = result["strategies"]
+    if next(iter(entries.values()))["ranks"] is None:
+        keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
+                "retained_total_bytes")
+        unit, label = unit_for([e["components"][k] for e in entries.values() for k in keys]
+                               + [e["paper_model_states_bytes"] for e in entries.values()])
+        rows = [[name, *(in_unit(e["components"][k], unit, 2) for k in keys),
+                 in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
+                 in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e in entries.items()]
+        return lines + [
+            f"Per rank, {label} (1024-based), from the parameter count alone: each strategy's layout without the "
+            "padding and partition-boundary terms, which need the parameters' sizes (--preset or --model). "
+            "The ZeRO paper's model states (16-bit, K = 12) also in GB (10^9 bytes), the paper's unit. "
+            "Activations are not included.",
+            terminal_table(["strategy", "params", "grads", "optimizer", "buffers", "kept total", "paper",
+                            "paper GB", "DeepSpeed"], rows, right=set(range(1, 9)))]
+    shown = []
+    for name, e in entries.items():
+        ranks = e["ranks"]
+        largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))
+        shown += [(name, e, r) for r in [ranks[0]] + ([largest] if largest is not ranks[0] else [])]
+    keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
+            "transient_reduce_bucket_bytes", "retained_total_bytes")
+    unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [r.get("peak_bytes") for _, _, r in shown]
+                           + [e["paper_model_states_bytes"] for e in entries.values()])
+    rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(r.get("peak_bytes"), unit, 2),
+             in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
+             in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
+    where = ("on the CPU" if result["device"] == "cpu" else
+             f"on CUDA (compute capability {result['cuda_capability']}'s cuBLAS workspaces included)")
+    not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
+    return lines + [
+        f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "
+        "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
+        "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest of a training "
+        f"step, activations and temporaries included, for {result['micro_batch']} samples per rank {where}. "
+        "The ZeRO paper's model states also in GB (10^9 bytes), its unit (--json: every rank and figure).",
+        terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak", "paper",
+                        "paper GB", "DS est."], rows, right=set(range(1, 12))),
+        *(f"No peak for {line}." for line in not_predicted)]
+
+
+# --- The command line ------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("estimate", help="predict per-rank memory without training or GPUs",
+                              description="Per-rank memory by component for each strategy, from the parameter "
+                                          "sizes alone: a built-in preset, your model, or a raw count.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="case-study")
+    source.add_argument("--model", metavar="MODULE:FACTORY",
+                        help="a function returning your nn.Module; it is built on the meta device")
+    source.add_argument("--params", type=float, help="a raw parameter count, e.g. 7.5e9 (the paper's formulas)")
+    p.add_argument("--strategies", default=",".join(registry.names()))
+    p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (default 2)")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
+                   help="default: what verify runs on GPUs (fp16 for case-study, bf16 for the other presets and "
+                        "your model; fp16 with --params, the ZeRO paper's)")
+    p.add_argument("--reduce-bucket-size", type=float, default=5e7)
+    p.add_argument("--batch", metavar="MODULE:FUNCTION",
+                   help="with --model: how zerolens makes a batch (as for verify); needed to predict the peaks")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
+    p.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
+    p.add_argument("--depth", type=int, default=None,
+                   help="override the preset's (or a Hugging Face model's) number of layers")
+    p.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
+    p.add_argument("--seq-len", type=int, default=None, help="a preset's (or a Hugging Face model's) sequence length")
+    p.add_argument("--activation-checkpointing", action="store_true", help="GPT presets: checkpoint each block")
+    p.add_argument("--fused-adam", action="store_true",
+                   help="torch's fused AdamW kernel for every strategy, as verify's --fused-adam (the step's peak "
+                        "differs: foreach AdamW's temporaries)")
+    p.add_argument("--gradient-clipping", type=float, default=1.0,
+                   help="as verify's: 0 turns clipping off, and with it the step's norm temporaries")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="what the peaks are predicted for (default cuda: the visible GPU's cuBLAS workspaces, "
+                        "else compute capability 9.0's)")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    p.set_defaults(func=command, compile=False)
+
+def estimate_model(args: argparse.Namespace):
+    """The model whose step estimate traces for the peaks: a preset (with --seq-len or
+    --activation-checkpointing), a Hugging Face model (--model hf:...), or --model with --batch;
+    None for --params or --model alone."""
+    if args.params is not None or (args.model and not args.batch and not args.model.startswith("hf:")):
+        return None
+    return model_from_args(args)
+
+def command(args: argparse.Namespace, argv: list[str]) -> int:
+    strategies = parse_strategies(args.strategies)
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.params is not None and not (math.isfinite(args.params) and args.params >= 1):
+        raise UserError(f"--params must be a positive, finite parameter count, got {args.params}")
+    if not (math.isfinite(args.reduce_bucket_size) and args.reduce_bucket_size >= 1):
+        raise UserError(f"--reduce-bucket-size must be at least 1 element, got {args.reduce_bucket_size}")
+    if args.micro_batch < 1:
+        raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing or
+                                    any(v is not None for v in (args.width, args.depth, args.heads))):
+        raise UserError("--batch/--width/--depth/--heads/--seq-len/--activation-checkpointing need a model "
+                        "(--preset or --model), not --params")
+    if not (math.isfinite(args.gradient_clipping) and args.gradient_clipping >= 0):
+        raise UserError(f"--gradient-clipping must be 0 (off) or a positive norm, got {args.gradient_clipping}")
+    if args.batch and not args.model:
+        raise UserError("--batch goes with --model")
+    model_config = estimate_model(args)
+    try:
+        shapes = (None if args.params is not None else
+                  [tuple(s) for s in parameter_shapes(model_config)] if model_config is not None else
+                  param_shapes_from_factory(args.model))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.device == "cpu" and args.precision == "fp16":
+        raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): use --precision bf16 "
+                        "or fp32, or --device cuda")
+    try:
+        # As verify: the paper's fp16 for a count, a preset's GPU precision on CUDA, bf16 on CPU.
+        precision = args.precision or ("fp16" if args.params is not None else "bf16" if args.device == "cpu" else
+                                       PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16"))
+        result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
+                          reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
+                          model_config=model_config, micro_batch=args.micro_batch,
+                          cuda_capability=target_capability(args.device), fused_adam=args.fused_adam,
+                          gradient_clipping=args.gradient_clipping)
+    except ValueError as e:  # e.g. a model FSDP2 cannot shard
+        raise UserError(str(e)) from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        say(*render_estimate(result))
+    return 0

@@ -1,0 +1,407 @@
+"""`zerolens plan`: which configurations fit a GPU's memory, and the deepest model each strategy can
+train there, predicted (predict_peak.py) before any GPU is used.
+
+Pure computation (`plan`) apart from presentation (`render_plan`) and from the short benches of
+`--check` (`check_candidates`), which confirm on GPUs that the best candidates fit.
+
+A configuration is a strategy, a micro-batch per rank, activation checkpointing on or off, and (for
+strategies with a reduce bucket) a bucket size. It fits when the highest predicted peak of its ranks
+is at most the memory given for the caching allocator. Candidates are ranked by what they cost per
+step besides the model's own compute: recomputation first (checkpointing runs about one more forward
+per step), then the bytes each rank sends per sample (the registry's `communication`, per step,
+over the samples of a step), then the peak.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import re
+import shlex
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from zerolens.errors import UserError
+from zerolens.models.model import CHECKPOINTABLE_KINDS, parameter_shapes
+from zerolens.predict.peak import target_capability
+from zerolens.report.files import write_json
+from zerolens.report.tables import say
+from zerolens.run.config import RunConfig
+from zerolens.run.deepspeed_config import deepspeed_zero_setting
+from zerolens.run.flags import (
+    add_verify_arguments,
+    config_from_args,
+    visible_gpus,
+)
+from zerolens.run.jobs import run_folder
+from zerolens.run.validate import check_config
+from zerolens.strategies import registry
+from zerolens.units import GiB, MiB
+
+# Below this share of the memory as headroom a configuration that fits the prediction may still
+# run out of memory: the allocator needs room beyond the allocated bytes (fragmentation), which is
+# not predicted. On 2xH200 under a 24 GiB cap, gpt-1b at micro-batch 8 with zero0, predicted at 97.1%
+# of the cap, ran out of memory, while maxsize's deepest ddp and zero2 models, predicted at 97.9% and
+# 97.1%, fitted (docs/results/2xh200/issue14/matrix-capped/, plan-vs-maxsize/).
+TIGHT_HEADROOM = 0.05
+
+MEMORY_UNITS = {"": GiB, "gib": GiB, "mib": MiB, "tib": 1024 * GiB, "gb": 10**9, "mb": 10**6, "tb": 10**12}
+MAX_DEPTH = 512  # the depth search's cap: each depth tried is traced, and a trace's time grows with depth
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB', '81920MiB', '80GB' (10^9 bytes) or a plain number of GiB -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in MEMORY_UNITS or not float(match.group(1)) > 0:
+        raise UserError(f"--gpu-memory takes a size such as 80GiB, 81920MiB or 80GB (10^9 bytes), got {text!r}")
+    return int(float(match.group(1)) * MEMORY_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    micro_batch: int
+    checkpointing: bool
+    reduce_bucket_size: int | None  # None: the strategy has no reduce bucket, so its size does not matter
+
+    def config(self, base: RunConfig) -> RunConfig:
+        """The run this candidate is: `base` with its strategy, micro-batch, checkpointing and bucket."""
+        return dataclasses.replace(
+            base, strategies=(self.strategy,), baseline=self.strategy, micro_batch=self.micro_batch,
+            reduce_bucket_size=self.reduce_bucket_size or base.reduce_bucket_size,
+            model=dataclasses.replace(base.model, activation_checkpointing=self.checkpointing))
+
+    def label(self) -> str:
+        return (f"{self.strategy}-mb{self.micro_batch}" + ("-ckpt" if self.checkpointing else "")
+                + (f"-bucket{self.reduce_bucket_size:.0e}".replace("+", "") if self.reduce_bucket_size else ""))
+
+
+def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int]) -> dict:
+    """The highest predicted peak over the ranks of a one-strategy config, with its rank and phases;
+    or why it is not predicted (`why_not`)."""
+    from zerolens.predict.peak import predicted_peaks
+    registry.load_plugins()  # in a pool's fresh process too
+    name = config.strategies[0]
+    predicted = predicted_peaks(config, cuda_capability)[name]
+    if "ranks" not in predicted:
+        return {"why_not": predicted["why_not"]}
+    rank = max(range(config.nproc), key=lambda r: predicted["ranks"][r]["peak_bytes"])
+    peaks = predicted["ranks"][rank]
+    return {"peak_bytes": peaks["peak_bytes"], "rank": rank,
+            **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")}}
+
+
+def with_depth(config: RunConfig, depth: int) -> RunConfig:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=depth))
+
+
+def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int]) -> dict:
+    """The deepest model of the config's width whose predicted peak fits `memory`, for its one
+    strategy, searched as `zerolens maxsize` searches by training (maxsize.largest_fitting_depth),
+    with a prediction in place of each trial (`traced`: every depth predicted and its peak)."""
+    from zerolens.commands.maxsize import largest_fitting_depth, max_fitting
+    traced: dict[int, int] = {}
+    why_not = []
+
+    def trial(depth: int) -> int | None:
+        predicted = predicted_peak(with_depth(config, depth), cuda_capability)
+        if "why_not" in predicted:
+            why_not.append(predicted["why_not"])
+            return None
+        traced[depth] = predicted["peak_bytes"]
+        return traced[depth] if traced[depth] <= memory else None
+
+    depth = max_fitting(largest_fitting_depth(trial, lambda: memory, max_depth=MAX_DEPTH))
+    params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
+    return {"max_depth": depth, "params": params, "peak_bytes": traced.get(depth),
+            "next_peak_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
+            **({"why_not": why_not[0]} if why_not else {})}
+
+
+def checkpointing_options(config: RunConfig) -> tuple[bool, ...]:
+    """Activation checkpointing off and on where the model has it (GPT presets, Hugging Face models)."""
+    return (False, True) if config.model.kind in CHECKPOINTABLE_KINDS else (False,)
+
+
+def communication_bytes(name: str, params: int, world_size: int, precision: str) -> float | None:
+    from zerolens.strategies.layout import ELEMENT_BYTES
+    communication = registry.spec(name).communication
+    return None if communication is None else communication(params, world_size, ELEMENT_BYTES[precision])
+
+
+def cost_key(row: dict) -> tuple:
+    """Cheapest first: no recomputation, fewer bytes sent per sample (unknown last), a lower peak."""
+    per_sample = row["sent_per_sample_bytes"]
+    return (row["checkpointing"], per_sample is None, per_sample or 0, row["peak_bytes"])
+
+
+def pool(jobs: int) -> ProcessPoolExecutor:
+    # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_bucket_sizes: list[int],
+         cuda_capability: tuple[int, int], jobs: int = 1, depth_search: bool = True, progress=None) -> dict:
+    """Every candidate of the grid predicted (strategies x checkpointing x bucket sizes, micro-batches
+    from the smallest until one does not fit), and, for a preset, the deepest model per strategy at
+    the config's micro-batch and checkpointing. `jobs` processes trace in parallel."""
+    params = sum(s.numel() for s in parameter_shapes(config.model))
+    grid = [(name, ckpt, bucket) for name in config.strategies for ckpt in checkpointing_options(config)
+            for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
+    rows, too_large, not_predicted = [], [], {}
+    with pool(jobs) if jobs > 1 else _InProcess() as executor:
+        depths = ({name: executor.submit(largest_depth, dataclasses.replace(config, strategies=(name,), baseline=name),
+                                         memory, cuda_capability) for name in config.strategies}
+                  if depth_search else {})
+        alive = grid
+        for micro_batch in sorted(micro_batches):
+            if not alive:
+                break
+            if progress:
+                progress(f"micro-batch {micro_batch}: {len(alive)} configurations")
+            candidates = [Candidate(name, micro_batch, ckpt, bucket) for name, ckpt, bucket in alive]
+            futures = [executor.submit(predicted_peak, c.config(config), cuda_capability) for c in candidates]
+            still = []
+            for c, future in zip(candidates, futures):
+                peak = future.result()
+                if "why_not" in peak:
+                    not_predicted.setdefault(c.strategy, peak["why_not"])
+                    continue
+                sent = communication_bytes(c.strategy, params, config.nproc, config.precision)
+                row = {**dataclasses.asdict(c), **peak, "headroom_bytes": memory - peak["peak_bytes"],
+                       "tight": memory - peak["peak_bytes"] < TIGHT_HEADROOM * memory,
+                       "sent_per_step_bytes": sent,
+                       "sent_per_sample_bytes": None if sent is None else sent / c.micro_batch}
+                if peak["peak_bytes"] <= memory:
+                    rows.append(row)
+                    still.append((c.strategy, c.checkpointing, c.reduce_bucket_size))
+                else:  # a larger micro-batch would need more still
+                    too_large.append(row)
+            alive = still
+        deepest = {name: future.result() for name, future in depths.items()}
+    rows.sort(key=cost_key)
+    return {"model": config.preset, "params": params, "width": config.model.d_model, "world_size": config.nproc,
+            "precision": config.precision, "gpu_memory_bytes": memory,
+            "cuda_capability": ".".join(map(str, cuda_capability)), "micro_batches": sorted(micro_batches),
+            "reduce_bucket_sizes": reduce_bucket_sizes, "fits": rows,
+            "does_not_fit": sorted(too_large, key=lambda r: (r["strategy"], r["checkpointing"])),
+            "not_predicted": not_predicted,
+            "deepest": {"micro_batch": config.micro_batch, "checkpointing": config.model.activation_checkpointing,
+                        "strategies": deepest} if depth_search else None}
+
+
+class _InProcess:
+    """An executor that runs each call at once, in this process (jobs=1)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def default_jobs() -> int:
+    """Tracing processes: one per core, at most 4 (each holds a torch of a few hundred MiB)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def param_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def bucket_text(size: int | None) -> str:
+    return "-" if size is None else f"{size:.0e}".replace("+", "")
+
+
+def render_plan(result: dict, top: int) -> list:
+    """The plan for the terminal: the cheapest `top` configurations that fit, what does not fit, the
+    deepest model per strategy; --json has every figure."""
+    from zerolens.report.tables import in_unit, terminal_table, unit_for
+    memory = result["gpu_memory_bytes"]
+    unit, label = unit_for([memory])
+    lines = [f"zerolens plan: {result['model']} ({param_count(result['params'])} parameters), {result['world_size']} "
+             f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU for the allocator (CUDA, "
+             f"compute capability {result['cuda_capability']})"]
+    fits = result["fits"]
+    if fits:
+        shown = fits[:top]
+        sent_unit, sent_label = unit_for([r["sent_per_step_bytes"] for r in shown])
+        rows = [[r["strategy"], r["micro_batch"], "on" if r["checkpointing"] else "off",
+                 bucket_text(r["reduce_bucket_size"]), in_unit(r["peak_bytes"], unit, 2),
+                 in_unit(r["headroom_bytes"], unit, 2) + (" tight" if r["tight"] else ""), r["rank"],
+                 in_unit(r["sent_per_step_bytes"], sent_unit, 2),
+                 in_unit(r["sent_per_sample_bytes"], MiB, 1)] for r in shown]
+        lines += [f"{len(fits)} configurations fit" + (f"; the {top} cheapest" if len(fits) > top else "") +
+                  ": without recomputation (ckpt: activation checkpointing) first, then by the bytes each rank "
+                  "sends per sample (ring all-reduce, all-gather and reduce-scatter volumes), then by the peak. "
+                  "Peak: the highest rank's, predicted on fake tensors. Tight: headroom under "
+                  f"{TIGHT_HEADROOM:.0%} of the memory, which fragmentation may take (--check tries it).",
+                  terminal_table(["strategy", "micro-batch", "ckpt", "bucket", f"peak {label}", f"headroom {label}",
+                                  "rank", f"sent/step {sent_label}", "sent/sample MiB"], rows,
+                                 right={1, 4, 5, 6, 7, 8})]
+    else:
+        lines.append("No configuration fits.")
+    smallest_failing = {}
+    for r in result["does_not_fit"]:
+        key = (r["strategy"], r["checkpointing"], r["reduce_bucket_size"])
+        if key not in smallest_failing or r["peak_bytes"] < smallest_failing[key]["peak_bytes"]:
+            smallest_failing[key] = r
+    if smallest_failing:
+        lines.append("Does not fit, nor would a larger micro-batch: " + "; ".join(
+            f"{name}{' with ckpt' if ckpt else ''}{'' if bucket is None else f' (bucket {bucket_text(bucket)})'} at "
+            f"micro-batch {r['micro_batch']} ({in_unit(r['peak_bytes'], unit, 2)} {label})"
+            for (name, ckpt, bucket), r in smallest_failing.items()) + ".")
+    for name, why in result["not_predicted"].items():
+        lines.append(f"Not predicted: {name}: {why}.")
+    deepest = result["deepest"]
+    if deepest:
+        rows = [[name, d["max_depth"], param_count(d["params"]), in_unit(d["peak_bytes"], unit, 2),
+                 in_unit(d["next_peak_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
+        lines += [f"The deepest {result['model']} (width {result['width']}) each strategy can train, predicted, at "
+                  f"micro-batch {deepest['micro_batch']}, ckpt {'on' if deepest['checkpointing'] else 'off'}:",
+                  terminal_table(["strategy", "layers", "parameters", f"peak {label}", f"one layer more {label}"], rows,
+                                 right={1, 2, 3, 4})]
+        lines += [f"Not predicted: {name}'s depth: {d['why_not']}." for name, d in deepest["strategies"].items()
+                  if "why_not" in d]
+    lines.append("Not counted: fragmentation (the allocator's reserved minus allocated), the CUDA context and NCCL's "
+                 "own buffers; --gpu-memory is what the caching allocator may hold. --check runs the best "
+                 "candidates on this machine's GPUs with that cap.")
+    return lines
+
+
+def check_candidates(config: RunConfig, result: dict, top: int, out, command: str, say) -> list[dict]:
+    """Short benches (one warm-up step, two timed) of the `top` cheapest fitting candidates, each
+    capped at the plan's memory per GPU: did it fit, its measured and predicted peaks, its step time.
+    A rank that runs out of memory is a result (it did not fit); any other failure ends the check."""
+    from zerolens.run.folder import new_run_folder
+    from zerolens.run.jobs import run_job
+    from zerolens.run.launch import OUT_OF_MEMORY, WorkersFailed
+    checked = []
+    for row in result["fits"][:top]:
+        candidate = Candidate(row["strategy"], row["micro_batch"], row["checkpointing"], row["reduce_bucket_size"])
+        point = dataclasses.replace(candidate.config(config), job="bench", warmup_steps=1, steps=2,
+                                    memory_limit_gib=result["gpu_memory_bytes"] / GiB,
+                                    out=str(new_run_folder(out / "check" / candidate.label())))
+        say(f"zerolens plan --check: {candidate.label()} ...")
+        entry = {**dataclasses.asdict(candidate), "predicted_peak_bytes": row["peak_bytes"], "run": point.out}
+        try:
+            bench = run_job(point, command=f"{command} (check: {candidate.label()})", quiet=True)
+        except WorkersFailed as e:
+            if OUT_OF_MEMORY not in str(e):
+                raise
+            checked.append(entry | {"fits": False, "measured_peak_bytes": None})
+            continue
+        measured = bench["strategies"][candidate.strategy]
+        checked.append(entry | {"fits": True, "measured_peak_bytes": measured["peak_bytes"],
+                                "error": row["peak_bytes"] / measured["peak_bytes"] - 1 if measured["peak_bytes"]
+                                else None, "step_time_s": measured["step_time_s"],
+                                "tokens_per_s": measured["tokens_per_s"]})
+    return checked
+
+
+def render_checks(checked: list[dict]) -> list:
+    from zerolens.report.tables import in_unit, terminal_table
+    rows = [[c["strategy"], c["micro_batch"], "on" if c["checkpointing"] else "off", "yes" if c["fits"] else "NO",
+             in_unit(c["predicted_peak_bytes"], GiB, 2), in_unit(c["measured_peak_bytes"], GiB, 2),
+             "-" if c.get("error") is None else f"{c['error']:+.2%}",
+             "-" if c.get("step_time_s") is None else f"{c['step_time_s']:.3f}"] for c in checked]
+    return ["Checked on this machine's GPUs (one warm-up and two timed steps each, capped at --gpu-memory):",
+            terminal_table(["strategy", "micro-batch", "ckpt", "fits", "predicted GiB", "measured GiB",
+                            "error", "step s"], rows, right={1, 4, 5, 6, 7})]
+
+
+def check_micro_batches(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise UserError(f"--micro-batches takes whole numbers, comma-separated, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise UserError(f"--micro-batches needs positive values, got {text!r}")
+    return values
+
+
+def finite_bucket_sizes(text: str) -> list[int]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v >= 1 for v in values):
+        raise UserError(f"--reduce-bucket-sizes takes positive, finite element counts, got {text!r}")
+    return sorted({int(v) for v in values})
+
+
+# --- The command line ------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="which configurations fit a GPU's memory, predicted before training",
+                              description="Predict each rank's peak for every strategy, micro-batch, activation "
+                                          "checkpointing and bucket size; list what fits --gpu-memory, cheapest "
+                                          "first, and the deepest model of the preset's width each strategy can "
+                                          "train there. No GPU is used, except by --check.")
+    add_verify_arguments(p)
+    p.add_argument("--gpu-memory", required=True, metavar="SIZE",
+                   help="what the caching allocator may hold per GPU: 80GiB, 81920MiB, 80GB (10^9 bytes); "
+                        "a plain number is GiB")
+    p.add_argument("--micro-batches", default="1,2,4,8,16,32,64",
+                   help="micro-batches per rank to try (default 1,2,4,8,16,32,64; each from the smallest until "
+                        "one does not fit)")
+    p.add_argument("--reduce-bucket-sizes", default=None,
+                   help="comma-separated bucket sizes for the strategies that have one (default: --reduce-bucket-size)")
+    p.add_argument("--top", type=int, default=15, help="configurations shown (default 15; --json has all)")
+    p.add_argument("--no-depth", action="store_true", help="skip the search for the deepest model")
+    p.add_argument("--jobs", type=int, default=None, help="processes tracing in parallel (default: cores, at most 4)")
+    p.add_argument("--check", type=int, nargs="?", const=3, default=0, metavar="K",
+                   help="run short benches of the K cheapest fitting configurations (default 3) on this "
+                        "machine's GPUs, capped at --gpu-memory, to confirm they fit and time them")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
+    p.set_defaults(func=command, device="cuda", strategies=",".join(registry.names()), preset="gpt-1b")
+
+def command(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.device != "cuda":
+        raise UserError("plan predicts what fits on GPUs (--device cuda); on the CPU nothing runs out of memory")
+    memory = parse_memory(args.gpu_memory)
+    micro_batches = check_micro_batches(args.micro_batches)
+    if args.top < 1 or (args.jobs is not None and args.jobs < 1) or args.check < 0:
+        raise UserError("--top and --jobs must be at least 1, --check at least 0")
+    gpus = visible_gpus() if args.check else None
+    config = config_from_args(args, gpus_visible=gpus if args.check else 0, checked=True)
+    # A DeepSpeed config of the user's own that sets reduce_bucket_size decides it (config.py,
+    # deepspeed_zero_setting): the grid has that one size.
+    ds_bucket = deepspeed_zero_setting(config.ds_config, config.ds_override, "reduce_bucket_size", 0) or None
+    if ds_bucket and args.reduce_bucket_sizes:
+        raise UserError("--reduce-bucket-sizes: the DeepSpeed config (--ds-config/--ds-override) sets "
+                        f"reduce_bucket_size {ds_bucket}, which DeepSpeed would use; plan with that one size")
+    buckets = finite_bucket_sizes(args.reduce_bucket_sizes or str(ds_bucket or args.reduce_bucket_size))
+    if args.check and gpus < config.nproc:
+        raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "
+                        "--check, or on the machine that will train")
+    check_config(config, gpus_visible=gpus, running=bool(args.check))
+    out = run_folder(config, args.overwrite) if args.check else None
+    command = shlex.join(["zerolens", *argv])
+
+    def progress(line: str) -> None:
+        if not args.json:
+            say(f"zerolens plan: {line}", stderr=True)
+    result = plan(config, memory=memory, micro_batches=micro_batches, reduce_bucket_sizes=buckets,
+                       cuda_capability=target_capability("cuda"), jobs=args.jobs or default_jobs(),
+                       depth_search=not args.no_depth and config.model.kind != "user", progress=progress)
+    result["command"] = command
+    if args.check:
+        result["checked"] = check_candidates(config, result, args.check, out, command, progress)
+        write_json(out / "plan.json", result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    say(*render_plan(result, args.top), *(render_checks(result["checked"]) if args.check else []),
+        *([f"plan.json: {out / 'plan.json'}"] if out else []))
+    return 0

@@ -1,0 +1,47 @@
+"""torch's MemTracker (torch.distributed._tools), a dispatch-level tracker of tensor allocations, as the
+CPU measurement and the peak prediction use it: per-phase peaks, and DTensor's shape propagation
+kept out of what it counts."""
+from __future__ import annotations
+
+import contextlib
+
+from zerolens.measure.census import MeasurementError
+
+
+# torch's MemTracker (torch.distributed._tools, private in torch 2.x) keeps one running peak; a
+# per-phase peak needs it set back to the current total at each phase's start.
+def tracker_total(tracker, kind: str) -> int:
+    return sum(int(d.get("Total", 0)) for d in tracker.get_tracker_snapshot(kind).values())
+
+
+def reset_tracker_peak(tracker) -> None:
+    if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
+        raise MeasurementError("this torch's MemTracker keeps its peak elsewhere; zerolens cannot read per-phase "
+                               "CPU peaks (see measure.reset_tracker_peak)")
+    current = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
+    tracker._peak_mem_snap = current
+
+
+@contextlib.contextmanager
+def dtensor_shapes_untraced():
+    """DTensor works out an op's output shape the first time it meets the op with those shapes, by
+    running it on fake tensors of the global shape (ShardingPropagator._propagate_tensor_meta_non_cached,
+    whose result is cached for the process). Nothing is allocated for that, but a tracker running as
+    a dispatch mode would count every such tensor: a foreach op's are every parameter's whole size
+    (2 MiB more in the first optimizer step of the first trace on gpt-tiny). Here that work runs with
+    the modes set aside, on fake tensors of its own: in the peak prediction's trace and in the CPU
+    measurement alike (FSDP2's step on 3 ranks was measured a gradient shard higher, now and then)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagate = propagator._propagate_tensor_meta_non_cached
+
+    def untraced(op_schema):
+        with _disable_current_modes():
+            return propagate(op_schema)
+    propagator._propagate_tensor_meta_non_cached = untraced
+    try:
+        yield
+    finally:
+        del propagator._propagate_tensor_meta_non_cached  # the class's own again

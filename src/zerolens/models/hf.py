@@ -1,0 +1,134 @@
+"""Hugging Face `transformers` causal language models, as users bring them: `--model hf:<model type>`
+(that type's default configuration, e.g. hf:gpt2, hf:llama) or `--model hf:<path to config.json>`
+(the configuration of your model). Built from the configuration alone, with no download and no
+weights: zerolens measures memory, and a fresh initialisation holds the same bytes. An optional
+extra (pip install 'zerolens[hf]'); nothing else in zerolens imports transformers.
+
+The model zerolens trains is the causal LM wrapped to return its logits (`CausalLMLogits`), which
+zerolens's cross-entropy compares with the next tokens of the GPT presets' synthetic task (data.py),
+drawn from the model's own vocabulary. Activation checkpointing is transformers' own
+(gradient_checkpointing_enable, non-reentrant).
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from zerolens.errors import UserError
+
+PREFIX = "hf:"
+DEFAULT_SEQ_LEN = 1024  # at most the model's max_position_embeddings
+
+
+def transformers_or_error():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("--model hf:... needs Hugging Face transformers: pip install 'zerolens[hf]' "
+                        "(or pip install transformers)") from None
+    return transformers
+
+
+def read_config(source: str):
+    """`source` (after "hf:"): a path to a config.json, or a model type transformers knows, as a
+    transformers configuration."""
+    transformers = transformers_or_error()
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        try:
+            values = json.loads(path.read_text())
+        except OSError as e:
+            raise UserError(f"--model hf:{source}: cannot read it ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"--model hf:{source} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(values, dict) or "model_type" not in values:
+            raise UserError(f"--model hf:{source}: a Hugging Face config.json has a \"model_type\"")
+    else:
+        values = {"model_type": source}
+    try:
+        config = transformers.AutoConfig.for_model(**values)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"--model hf:{source}: transformers {transformers.__version__} cannot make a configuration "
+                        f"of it ({str(e).splitlines()[0]})") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"--model hf:{source}: {config.model_type} is not a causal language model in transformers "
+                        f"{transformers.__version__} (zerolens trains AutoModelForCausalLM)")
+    return config
+
+
+def model_config_fields(source: str, *, depth: int | None, seq_len: int | None) -> dict:
+    """What ModelConfig keeps of a Hugging Face configuration: the configuration itself (JSON) and
+    the figures the rest of zerolens reads (vocabulary, width, heads, layers, sequence length)."""
+    config = read_config(source)
+    values = config.to_dict()
+    longest = getattr(config, "max_position_embeddings", None)
+    if seq_len is not None and longest is not None and seq_len > longest:
+        raise UserError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings {longest}")
+    return {"kind": "hf", "factory": PREFIX + source, "hf_config": json.dumps(values, sort_keys=True),
+            "vocab_size": config.vocab_size, "d_model": config.hidden_size, "num_heads": config.num_attention_heads,
+            "num_layers": depth if depth is not None else config.num_hidden_layers,
+            "seq_len": seq_len if seq_len is not None else min(DEFAULT_SEQ_LEN, longest or DEFAULT_SEQ_LEN)}
+
+
+class CausalLMLogits(nn.Module):
+    """A transformers causal LM returning only its logits (B, T, vocabulary), without a KV cache."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        with as_in_the_real_run_when_fake(tokens):
+            return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+@contextmanager
+def as_in_the_real_run_when_fake(tokens):
+    """While the peak is predicted on fake tensors, whose values cannot be read, answer the two
+    questions transformers asks of values in training as the real run answers them:
+
+    - Are several sequences packed in one row? (masking_utils.find_packed_sequence_indices, from the
+      position ids.) Unable to tell, it would assume so, build a (B, 1, T, T) mask and give up SDPA's
+      is_causal: an attention path, and a mask, the real run does not have. zerolens passes no
+      position ids and every row is one sequence: "not packed" (None).
+    - Is this layer dropped? (LayerDrop in OPT, Whisper, M2M100 and others: torch.rand([]) <
+      layerdrop.) A draw of 1.0, which no layerdrop below 1 drops: with the default of 0 the real
+      run drops none either, and with more the prediction is of the step that drops none, the
+      highest."""
+    if not isinstance(tokens, FakeTensor):
+        yield
+        return
+    import torch
+    import transformers.masking_utils as masking
+    find, rand = masking.find_packed_sequence_indices, torch.rand
+
+    def layer_drop_draw(*size, **kwargs):
+        # A Python number: compared with layerdrop it gives a plain bool (a tensor would be fake).
+        return 1.0 if size in (([],), ((),), ()) and not kwargs else rand(*size, **kwargs)
+
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    torch.rand = layer_drop_draw
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices, torch.rand = find, rand
+
+
+def build(model_config) -> nn.Module:
+    """The model of a ModelConfig of kind "hf", fp32, on the current default device (the CPU, or the
+    meta device under `with torch.device("meta")`), its depth the ModelConfig's."""
+    transformers = transformers_or_error()
+    config = transformers.AutoConfig.for_model(**json.loads(model_config.hf_config))
+    config.num_hidden_layers = model_config.num_layers
+    lm = transformers.AutoModelForCausalLM.from_config(config, dtype="float32")
+    if model_config.activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.train()
+    return CausalLMLogits(lm)

@@ -1,0 +1,256 @@
+"""The peak each rank reaches, per phase, predicted before anything trains.
+
+A strategy's step model (its registry entry's `step_model`) does on one rank what its backend
+allocates: the same model and precision recipe, torch's own optimizer and loss (their temporaries
+are real ops), and the backend's buffers, sized by the layout theory and allocated when its source
+allocates them (DDP, DeepSpeed), or the backend's own code (FSDP2). The step runs as that rank
+under a fake process group (fake_process_group: collectives that move nothing) and FakeTensorMode,
+so no tensor has memory (a 70B model costs nothing), and torch's MemTracker follows every storage
+at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS). A training
+worker, which has a process group of its own, predicts in a fresh process (run/prediction.py).
+
+On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor).
+Not predicted: the allocator's rounding beyond 512 bytes, fragmentation (reserved minus allocated),
+and buffers a kernel allocates and frees inside one operation (invisible at the dispatch level).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import traceback
+import warnings
+
+import torch
+
+from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
+from zerolens.strategies import TrainSettings, registry
+from zerolens.strategies.base import PHASES
+from zerolens.units import MiB
+
+# Steps traced: the first has no optimizer states yet, the second is where DDP rebuilds its buckets,
+# the third is every later one. The peaks are each phase's highest over them, as the CUDA
+# measurement's are over every step; `last_step` is the third alone, as the CPU measurement's.
+STEPS = 3
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
+    """What the cuBLAS workspaces hold once forward and backward have run: one workspace per cuBLAS
+    handle, and a training step uses two (the main thread's in forward, autograd's thread in
+    backward), plus 1 MiB. Per handle: CUBLAS_WORKSPACE_CONFIG where set (":KiB:count" pairs, as
+    torch reads it), else 32 MiB from compute capability 9.0 on (65 MiB in all, measured on H200)
+    and, below 9.0, 4 MiB x 2 + 16 KiB x 8, assumed from torch's source and not measured. None: no
+    CUDA, no workspaces."""
+    if capability is None:
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":(\d+):(\d+)", config or "")
+    if pairs:
+        per_handle = sum(int(kib) * 1024 * int(count) for kib, count in pairs)
+    else:
+        per_handle = 32 * MiB if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * per_handle + 1 * MiB
+
+
+def totals_tracker():
+    """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
+    figures at every operation, which the prediction does not read: that took most of the time of
+    gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TotalsTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snap["Total"]:
+                    self._peak_mem[device] = snap["Total"]
+                    self._peak_mem_snap[device] = dict(snap)
+    return TotalsTracker()
+
+
+def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
+                  cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None,
+                  steps: int = STEPS) -> dict:
+    """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase over
+    the steps (`peak_during_<phase>`) and of the last one (`last_step`), the highest (`peak_bytes`), what is held
+    after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
+    ("cpu" or "cuda") overrides where the step is traced (trace_device); `steps`, how many."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerolens.measure.tracker import reset_tracker_peak, tracker_total
+    from zerolens.models.data import make_batch
+    step_model = registry.spec(name).build_step_model(settings, rank=rank, cuda=cuda_capability is not None)
+    tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
+    model = meta_model(model_config)  # built outside FakeTensorMode, which then gives it fake storage
+    device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
+    tracker = totals_tracker()
+    traced: list[dict[str, int]] = []  # each traced step's peak per phase
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+        warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
+        stack.enter_context(fake_process_group(rank, settings.world_size))
+        gloo_copies = stack.enter_context(gloo_reduce_scatter_copies()) if cuda_capability is None else []
+        mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(tracker)
+        step_model.setup(to_empty_keeping_ties(model, device), device)
+        tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
+
+        @contextlib.contextmanager
+        def phase(name: str, into: dict):
+            reset_tracker_peak(tracker)
+            yield
+            into[name] = tracker_total(tracker, "peak")
+
+        for step in range(steps):
+            tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
+            # The rank's micro-batch as the step sees it. A CPU run's loop holds it through the step.
+            # On CUDA it is copied to the GPU in forward and held by the graph only: on fake CUDA
+            # tensors forward_loss's .to(device) makes that copy; traced on the CPU, a clone stands in.
+            batch = (tokens, labels) if device.type == "cuda" else (tokens.clone(), labels.clone())
+            traced.append({})
+            with phase("forward", traced[-1]):
+                loss = step_model.forward_loss(*batch)
+            if cuda_capability is not None:
+                del batch
+            with phase("backward", traced[-1]):
+                step_model.backward(loss)
+            del loss
+            with phase("step", traced[-1]):
+                step_model.step()
+        held = tracker_total(tracker, "current")
+    workspace = cublas_workspace_bytes(cuda_capability)
+    out = {f"peak_during_{phase}": max(t[phase] for t in traced) + workspace for phase in PHASES}
+    return out | {"peak_bytes": max(out.values()),
+                  "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
+                  "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
+                  "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,
+                  "batch_bytes": tokens.nbytes + labels.nbytes,
+                  # CPU: the largest tensor a gloo collective holds (checks.peak_prediction_check)
+                  "gloo_late_free_bytes": max([*gloo_copies, getattr(step_model, "collective_buffer_bytes", 0)])
+                  if cuda_capability is None else 0}
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """torch.distributed's default process group as rank `rank` of `world_size` sees it, for the
+    trace: a fake one (torch's FakeProcessGroup), whose collectives return at once and move no data,
+    so that a backend's own code (FSDP2's) runs as on that rank. Destroyed afterwards, whatever
+    happens. Where a default group exists already (a training worker's), there cannot be a second:
+    predict there in a fresh process (run/prediction.py)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    if dist.is_initialized():
+        raise RuntimeError("this process has a default process group already, and the trace needs a fake one "
+                           "of its own: predict in a fresh process (zerolens.run.prediction)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def gloo_reduce_scatter_copies():
+    """For a CPU target, whose runs use gloo: gloo reduces a copy of a reduce-scatter's input, made on
+    the calling thread, where the CPU measurement sees it (ProcessGroupGloo::reduce_scatter_tensor_
+    coalesced: buffers.push_back(inputTensors[i].clone())), alive until the collective is waited on.
+    The fake process group copies nothing, so the trace makes that copy around each blocking
+    reduce_scatter_single (FSDP2's; NCCL, on CUDA, makes none). On the tiny Llama of examples/hf it
+    was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
+    copies' sizes in bytes: gloo's own thread holds a copy too, and now and then frees it after the
+    next operation has allocated (checks.peak_prediction_check allows for one such buffer; a step
+    model whose collectives are modelled, not run, says its largest as `collective_buffer_bytes`)."""
+    import torch.distributed as dist
+    original = dist.reduce_scatter_single
+    sizes: list[int] = []
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        copy = input.clone()
+        sizes.append(copy.nbytes)
+        try:
+            return original(output, input, *args, **kwargs)
+        finally:
+            del copy
+
+    dist.reduce_scatter_single = reduce_scatter_single
+    try:
+        yield sizes
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def target_capability(device: str) -> tuple[int, int] | None:
+    """The CUDA compute capability the peaks are predicted for: the visible GPU's, else 9.0."""
+    if device == "cpu":
+        return None
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+
+
+def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
+    """Where the step is traced: for a CUDA target on fake CUDA tensors where this torch can make them
+    (a GPU is visible: CUDA's autocast rules, attention kernels and 512-byte rounding then apply),
+    else on the CPU, whose autocast saves less than CUDA's (docs/results/2xh200/issue14/)."""
+    if cuda_capability is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def not_predicted_yet(name: str) -> str:
+    return f"zerolens does not predict {name}'s peak yet"
+
+
+def why_not_predicted(name: str, config) -> str | None:
+    """Why zerolens does not predict this strategy's peak in this run (a RunConfig), or None."""
+    spec = registry.spec(name)
+    if spec.step_model is None:
+        return not_predicted_yet(name)
+    unmodelled = spec.not_modelled(config.train_settings())
+    if unmodelled:
+        return f"its step model does not model these settings of the run's DeepSpeed config: {'; '.join(unmodelled)}"
+    if config.model.compile_blocks:
+        return "--compile changes what forward saves; the prediction traces the eager model"
+    return None
+
+
+def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:
+    """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
+    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer)."""
+    return {name: {"why_not": why} if (why := why_not_predicted(name, config)) else predict_or_why_not(
+        name, config.model, config.train_settings(), seed=config.seed, cuda_capability=cuda_capability,
+        trace_on=trace_on, steps=min(STEPS, config.steps + config.warmup_steps)) for name in config.strategies}
+
+
+def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
+    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}, one trace
+    standing for all the ranks that allocate alike (ranks_alike). A model that cannot be traced on
+    fake tensors is not predicted, and its run goes on; the traceback is kept (`traceback`) in case
+    the fault is a step model's."""
+    if registry.spec(name).step_model is None:
+        return {"why_not": not_predicted_yet(name)}
+    alike = ranks_alike(name, model_config, settings)
+    try:
+        traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options) for rank in set(alike.values())}
+    except Exception as e:
+        first_line = (str(e).splitlines() or [""])[0]
+        return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
+                "traceback": traceback.format_exc()}
+    return {"ranks": [traced[like] for like in alike.values()]}
+
+
+def ranks_alike(name: str, model_config: ModelConfig, settings: TrainSettings) -> dict[int, int]:
+    """Each rank -> the rank whose trace stands for it. ZeRO-1/2's flat partition cuts each rank's
+    slice across parameters at its own place (buffers of the parameters it straddles): every rank is
+    its own. The other strategies allocate the same on every rank but for what their layout gives
+    each (FSDP2's last ranks keep fewer rows where a dim 0 does not divide by N): ranks whose
+    retained layout is the same are traced once (tests/test_predict_peak.py checks their traces
+    are equal)."""
+    import math
+    spec, n = registry.spec(name), settings.world_size
+    if spec.flat_partition:
+        return {rank: rank for rank in range(n)}
+    shapes = [tuple(shape) for shape in parameter_shapes(model_config)]
+    first_with: dict[str, int] = {}
+    alike = {}
+    for rank in range(n):
+        layout = registry.predict_retained(name, [math.prod(s) for s in shapes], n, rank, settings.precision,
+                                           reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes)
+        alike[rank] = first_with.setdefault(repr(sorted(layout.items())), rank)
+    return alike

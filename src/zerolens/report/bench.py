@@ -1,0 +1,200 @@
+"""`zerolens bench`: step time, throughput, MFU and peak memory of each strategy, on the same model
+and data, in one run.
+
+Each strategy trains `warmup + steps` steps; the timed ones are synchronised (the GPU's queue is
+drained before and after each), a step's time is the slowest rank's, and the figure is the median
+over the timed steps. Peak memory is the CUDA allocator's peak over every step, warm-up included
+(the optimizer's states appear in the first). The steps run in the one training loop (train.py)
+with a probe that only times them (measure.StepTimer); this module holds the summary
+(`bench_summary`) and its presentation (`render_bench`).
+"""
+from __future__ import annotations
+
+from statistics import median
+
+from zerolens.models.data import make_batch
+from zerolens.models.model import training_flops_per_token
+from zerolens.report.tables import SCHEMA_VERSION, markdown_table
+from zerolens.strategies import registry
+from zerolens.strategies.base import PHASES
+from zerolens.units import GiB, MiB
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by the exact name CUDA
+# reports. PCIe and NVL parts are slower than SXM: an unknown name gets no MFU (use --peak-tflops).
+DATASHEET_PEAK_TFLOPS = {
+    "NVIDIA H200": {"bf16": 989.4, "fp16": 989.4},  # SXM
+    "NVIDIA H100 80GB HBM3": {"bf16": 989.4, "fp16": 989.4},  # SXM
+    "NVIDIA H100 PCIe": {"bf16": 756.0, "fp16": 756.0},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0, "fp16": 312.0},
+    "NVIDIA A100-SXM4-40GB": {"bf16": 312.0, "fp16": 312.0},
+}
+
+
+# Every strategy is compared with this one (bench.json's key names it, "vs_<reference>").
+REFERENCE = registry.BENCH_REFERENCE
+VS = f"vs_{REFERENCE}"
+
+
+def datasheet_peak(device_name: str, precision: str) -> float | None:
+    return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
+
+
+def predicted_peak(config, prediction: dict | None, measured: int | None) -> dict:
+    """The largest rank's peak as predicted before training, and its error against the measured one
+    (CUDA); or why it was not predicted."""
+    if not prediction or "ranks" not in prediction:
+        return {"predicted_peak_bytes": None,
+                "peak_not_predicted": (prediction or {}).get("why_not", "not predicted in this run")}
+    peak = max(r["peak_bytes"] for r in prediction["ranks"])
+    return {"predicted_peak_bytes": peak,
+            "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}
+
+
+def phase_peaks(config, per_rank: list[dict], prediction: dict | None, earlier: int) -> list[dict]:
+    """CUDA: each rank's peak of each phase over every step (warm-up included), beside the peak
+    predicted before training (over the steps traced) and its relative error; [] on CPU, where
+    bench reads no allocator, or where earlier strategies' memory is in the peaks."""
+    if config.device != "cuda" or earlier:
+        return []
+    rows = []
+    for rank, measured in enumerate(per_rank):
+        for phase in PHASES:
+            got = measured.get(f"peak_during_{phase}")
+            want = prediction["ranks"][rank][f"peak_during_{phase}"] if prediction and "ranks" in prediction else None
+            rows.append({"rank": rank, "phase": phase, "measured_bytes": got, "predicted_bytes": want,
+                         "error": want / got - 1 if want is not None and got else None})
+    return rows
+
+
+def bench_summary(config, gathered: list[list[dict]], params: int, device_name: str,
+                  versions: dict, predicted: dict | None = None) -> dict:
+    """gathered[rank][i]: rank's result for config.strategies[i]. `predicted`: the run's
+    predicted_peaks.json (predict_peak.predicted_peaks), made before training."""
+    global_batch = config.micro_batch * config.nproc
+    # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
+    tokens_per_step = (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
+                                  signal=config.signal)[0].numel()
+                       if config.model.kind == "user" else global_batch * config.model.seq_len)
+    flops_per_token = training_flops_per_token(config.model, params)
+    peak_tflops, peak_source = config.peak_tflops, "--peak-tflops"
+    if peak_tflops is None:
+        peak_tflops = datasheet_peak(device_name, config.precision) if config.device == "cuda" else None
+        peak_source = f"NVIDIA datasheet, {device_name}, dense {config.precision}" if peak_tflops else None
+    strategies = {}
+    for i, name in enumerate(config.strategies):
+        per_rank = [gathered[r][i] for r in range(config.nproc)]
+        # A data-parallel step ends when its slowest rank does.
+        step_seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
+        step_time = median(step_seconds[config.warmup_steps:])
+        tflops = flops_per_token * tokens_per_step / config.nproc / step_time / 1e12 if flops_per_token else None
+        peaks = [r["peak_bytes"] for r in per_rank]
+        # Another launcher ran it after a strategy that left memory allocated: that memory is in these
+        # peaks, which are then kept aside under a name that says so, never reported as its own.
+        earlier = max(r.get("earlier_strategies_left_bytes", 0) for r in per_rank)
+        peak = max(peaks) if None not in peaks and not earlier else None
+        strategies[name] = {
+            "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
+            "warmup_step_times_s": step_seconds[:config.warmup_steps],
+            "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
+            "peak_bytes": peak,
+            "peak_bytes_per_rank": peaks if not earlier else [None] * len(peaks),
+            "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank] if not earlier else None,
+            "allocated_at_start_bytes_per_rank": [r["allocated_at_start_bytes"] for r in per_rank],
+            "earlier_strategies_left_bytes": earlier,
+            "peak_bytes_including_earlier_strategies_per_rank": peaks if earlier else None,
+            "left_allocated_after_teardown_bytes": per_rank[0].get("left_allocated_by_this_strategy_bytes", 0),
+            "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
+            **predicted_peak(config, (predicted or {}).get(name), peak),
+            "phase_peaks": phase_peaks(config, per_rank, (predicted or {}).get(name), earlier),
+        }
+    for s in strategies.values():
+        ref = strategies.get(REFERENCE)
+        s[VS] = None if ref is None else {
+            "step_time": s["step_time_s"] / ref["step_time_s"],
+            "peak_bytes": s["peak_bytes"] / ref["peak_bytes"] if s["peak_bytes"] and ref["peak_bytes"] else None}
+    return {"schema_version": SCHEMA_VERSION, "device": config.device, "device_name": device_name,
+            "world_size": config.nproc,
+            "precision": config.precision, "preset": config.preset, "model": config.to_json()["model"],
+            "params": params, "micro_batch": config.micro_batch, "tokens_per_step": tokens_per_step,
+            "warmup_steps": config.warmup_steps, "timed_steps": config.steps,
+            "flops_per_token": flops_per_token,
+            "flop_count": "6 x (parameters - embedding tables) + 12 x layers x width x sequence per token "
+                          "(Megatron-LM / PaLM appendix B; attention counted as if not causal)",
+            "peak_tflops": peak_tflops, "peak_tflops_source": peak_source,
+            "versions": versions, "strategies": strategies}
+
+
+def render_bench(summary: dict, command: str) -> str:
+    rows = []
+    for name, s in summary["strategies"].items():
+        vs = s[VS] or {}
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")),
+                     f"{s['tokens_per_s']:,.0f}", "-" if s["tflops_per_gpu"] is None else f"{s['tflops_per_gpu']:.1f}",
+                     "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
+                     "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
+                     "-" if s.get("predicted_peak_bytes") is None else f"{s['predicted_peak_bytes'] / GiB:.2f}"
+                     + ("" if s.get("peak_prediction_error") is None else f" ({s['peak_prediction_error']:+.2%})"),
+                     f"{s['losses'][0]:.3f} -> {s['losses'][-1]:.3f}"])
+    table = markdown_table(["strategy", "step (ms, median)", f"vs {REFERENCE}", "tokens/s", "TFLOP/s per rank", "MFU",
+                            "peak per rank (GiB, max)", f"vs {REFERENCE}", "peak predicted before training (GiB, error)",
+                            "loss"], rows)
+    flops = (f"FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}." if summary["flops_per_token"]
+             else "FLOPs: not known for a user's model (no TFLOP/s or MFU); tokens are its input elements.")
+    mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."
+           if summary["peak_tflops"] else "No MFU: no peak FLOP/s is known for this device (give --peak-tflops).")
+    peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
+            if summary["device"] == "cuda" else
+            "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
+    phase_rows = [[name, r["rank"], r["phase"], "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MiB:.1f}",
+                   "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.1f}",
+                   "-" if r["error"] is None else f"{r['error']:+.2%}"]
+                  for name, s in summary["strategies"].items() for r in s.get("phase_peaks", [])]
+    phases = ("\n## Peaks per phase, predicted before training and measured\n\nEach rank's allocator peak of each "
+              "phase over every step, warm-up included (MiB), and the prediction's error.\n\n"
+              + markdown_table(["strategy", "rank", "phase", "predicted", "measured", "error"], phase_rows) + "\n"
+              if phase_rows else "")
+    notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
+    for name, s in summary["strategies"].items():
+        if s["earlier_strategies_left_bytes"]:
+            notes += (f"\n- {name}: started with {s['earlier_strategies_left_bytes'] / GiB:.2f} GiB left allocated by "
+                      "earlier strategies in the same processes (a launcher other than zerolens's), so its peak is not "
+                      "reported; run it in a launch of its own.")
+        elif s["left_allocated_after_teardown_bytes"] and name != list(summary["strategies"])[-1]:
+            notes += (f"\n- {name} left {s['left_allocated_after_teardown_bytes'] / GiB:.3f} GiB allocated after its "
+                      "teardown: the strategies after it ran in fresh processes, so it is in none of their peaks.")
+    return f"""# zerolens bench
+
+Command: `{command}`
+
+{summary['preset']} ({summary['params']:,} parameters), {summary['world_size']} x {summary['device_name']},
+{summary['precision']}, micro-batch {summary['micro_batch']} per rank, {summary['tokens_per_step']:,} tokens per step.
+Step time: median of {summary['timed_steps']} synchronised steps after {summary['warmup_steps']} warm-up steps,
+each step's slowest rank. {flops} {mfu}
+{peak}
+
+{table}
+{phases}
+{"Notes:" + notes if notes else ""}
+"""
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def bench_terminal_lines(summary: dict, out) -> list:
+    """bench's result for the terminal: one table, the notes' count, where the files are."""
+    from zerolens.report.tables import terminal_table
+    rows = []
+    for name, s in summary["strategies"].items():
+        vs = s[VS] or {}
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")), f"{s['tokens_per_s']:,.0f}",
+                     "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
+                     "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes"))])
+    notes = sum(len(s["notes"]) for s in summary["strategies"].values())
+    return ["", f"{summary['preset']}, {summary['world_size']} x {summary['device_name']}, {summary['precision']}: "
+            f"median of {summary['timed_steps']} timed steps, the slowest rank's.",
+            terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", "peak (GiB)",
+                            f"vs {REFERENCE}"], rows, right={1, 2, 3, 4, 5, 6}),
+            f"Report: {out / 'bench.md'} ({notes} notes there); bench.json and bench.png beside it."]

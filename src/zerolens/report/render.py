@@ -1,0 +1,243 @@
+"""verify's presentation: the per-rank tables and report.md, and the terminal summary. Pure functions."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerolens.report.checks import BY_ALLOCATING_CODE, census_after_step, predicted_for_measurement, unexplained_bytes
+from zerolens.report.tables import in_unit, markdown_table, mib, ratio, unit_for
+
+
+def with_prediction(rank: dict, key: str) -> str:
+    """The measured MiB, and the prediction beside it only where the two differ."""
+    measured, predicted = rank[key], rank.get("predicted", {}).get(key)
+    if predicted is None or predicted == measured:
+        return mib(measured)
+    error = (measured - predicted) / predicted if predicted else float("inf")
+    return f"{mib(measured)} (predicted {mib(predicted)}, {error:+.1%})"
+
+
+def memory_table(summary: dict) -> str:
+    baseline = summary["strategies"][summary["baseline"]]["ranks"]
+    rows = []
+    for name, s in summary["strategies"].items():
+        for r in s["ranks"]:
+            base = baseline[r["rank"]]
+            rows.append([
+                name, r["rank"], with_prediction(r, "param_bytes"),
+                with_prediction(r, "grad_bytes_after_backward"),
+                ratio(r["grad_bytes_after_backward"], base["grad_bytes_after_backward"]),
+                r["grad_partition_elements"], ratio(r["grad_partition_elements"], base["grad_partition_elements"]),
+                with_prediction(r, "grad_bytes_after_step"), with_prediction(r, "optimizer_state_bytes"),
+                with_prediction(r, "comm_buffer_bytes_after_backward"), mib(r["activation_bytes_after_forward"]),
+                mib(r["peak_bytes"]),
+            ])
+    header = ["strategy", "rank", "params", "grads after backward", "vs baseline", "grad partition (elements)",
+              "vs baseline", "grads after step", "optimizer states", "comm buffers after backward",
+              "activations saved in forward", "peak"]
+    return markdown_table(header, rows)
+
+
+def allocator_table(summary: dict) -> str | None:
+    """CUDA only: the allocator against the census, retained (after the step) and peak."""
+    rows = []
+    for name, s in summary["strategies"].items():
+        for r in s["ranks"]:
+            if r["allocated_after_step"] is None:
+                return None
+            rows.append([name, r["rank"], mib(r["allocated_after_step"]), mib(r["leftover_bytes_at_end"]),
+                         mib(census_after_step(r)), mib(r.get("census_block_rounding_after_step")),
+                         mib(r["cublas_workspace_bytes"]), mib(unexplained_bytes(r)),
+                         mib(r["allocated_after_backward"]), mib(r["peak_during_forward"]),
+                         mib(r["peak_during_backward"]), mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"]),
+                         r["alloc_retries"], r["ooms"]])
+    return markdown_table(["strategy", "rank", "allocated after step", "left by earlier strategies (still allocated)",
+                           "census after step", "allocator rounding of census blocks", "cuBLAS workspaces", "unexplained", "allocated after backward", "peak in forward",
+                           "peak in backward", "peak in step", "reserved peak", "alloc retries", "OOMs"], rows)
+
+
+def loss_table(summary: dict) -> str:
+    base = summary["strategies"][summary["baseline"]]["losses"]
+    rows = []
+    for name, s in summary["strategies"].items():
+        losses = s["losses"]
+        w = max(2, len(losses) // 5)
+        diff = max(abs(a - b) for a, b in zip(losses, base))
+        rows.append([name, f"{losses[0]:.4f}", f"{losses[-1]:.4f}", f"{sum(losses[:w]) / w:.4f}",
+                     f"{sum(losses[-w:]) / w:.4f}", f"{diff:.2e}", s["skipped_steps"], f"{s['seconds']:.1f}"])
+    return markdown_table(["strategy", "first loss", "last loss", "mean first steps", "mean last steps",
+                           "max abs diff vs baseline", "skipped steps", "train time (s)"], rows)
+
+
+def checks_text(summary: dict) -> str:
+    lines = []
+    for c in summary["checks"]:
+        lines.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: {c['detail']} "
+                     f"(tolerance: {c['tolerance']})")
+    lines += [f"- NOT CHECKED {c['name']}: {c['why']}" for c in summary.get("not_checked", [])]
+    return "\n".join(lines)
+
+
+def allocator_section(summary: dict) -> str:
+    table = allocator_table(summary)
+    if table is None:
+        return ""
+    return f"""
+### The CUDA allocator beside the census (MiB)
+"unexplained" is what the allocator holds after the step that neither the census, the cuBLAS \
+workspaces nor earlier strategies' leftovers account for.
+
+{table}
+"""
+
+
+PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimizer states",
+                "comm_buffer": "comm buffers", "activation": "activations saved",
+                "backend_transient": "backend transient",
+                "optimizer_transient": "optimizer transient",
+                "autograd_transient": "autograd transient", "forward_transient": "forward transient",
+                "workspace_and_earlier": "cuBLAS workspace + earlier", "unattributed": "unattributed",
+                "allocator_slack": "allocator rounding"}
+
+
+def peak_prediction_section(summary: dict) -> str:
+    """Each phase's peak, predicted before training (predict_peak.py) beside measured: on CUDA the
+    highest over the steps, on the CPU the last step's (what each measures)."""
+    cuda = summary["device"] == "cuda"
+    rows, why_not = [], []
+    for name, s in summary["strategies"].items():
+        if "peak_not_predicted" in s:
+            why_not.append(f"- {name}: {s['peak_not_predicted']}")
+            continue
+        for r in s["ranks"]:
+            p = predicted_for_measurement(r)
+            for phase in ("forward", "backward", "step"):
+                measured, reserved = r.get(f"peak_during_{phase}"), r.get(f"reserved_peak_during_{phase}")
+                rows.append([name, r["rank"], phase, mib(p[f"peak_during_{phase}"]), mib(measured),
+                             "-" if not measured else f"{p[f'peak_during_{phase}'] / measured - 1:+.2%}",
+                             *([mib(reserved), "-" if reserved is None or measured is None else mib(reserved - measured)]
+                               if cuda else [])])
+    if not rows and not why_not:
+        return ""
+    table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error",
+                            *(["reserved peak", "reserved - allocated (not predicted)"] if cuda else [])], rows)
+    fragmentation = (" Not predicted: fragmentation, what the allocator has reserved from the driver beyond what "
+                     "it has allocated (its cached blocks and their unused parts); the last two columns show it "
+                     "at each phase's highest reserve." if cuda else "")
+    cuda = ("; on CUDA the cuBLAS workspaces are added, and each phase's peak is its highest over the steps "
+            "traced" if cuda else "")
+    return f"""
+### Peaks, predicted before training and measured (MiB)
+Predicted by running each strategy's step model (what its backend allocates on one rank) on fake \
+tensors under torch's MemTracker{cuda}. Measured: {"the CUDA allocator's peak of each phase over every step" if summary["device"] == "cuda" else "torch's MemTracker on the real step"}.{fragmentation}
+
+{table}
+{chr(10).join(why_not)}
+"""
+
+
+def peak_section(summary: dict) -> str:
+    """CUDA only: what was allocated at each phase's peak on the last step, rank 0 of each strategy."""
+    rows, sources = [], []
+    for name, s in summary["strategies"].items():
+        r = s["ranks"][0]
+        for phase, anatomy in (r.get("peak_anatomy") or {}).items():
+            parts = anatomy["components"]
+            by_code = sum(parts[k] for k in BY_ALLOCATING_CODE)
+            rows.append([name, phase, mib(anatomy["allocator_peak"]), *(mib(parts[k]) for k in PEAK_COLUMNS),
+                         ratio(by_code, anatomy["allocator_peak"])])
+            sources += [f"- {name}, {phase}: " + "; ".join(f"{src} {mib(b)}" for src, b in
+                                                           anatomy["largest_transients"].items())]
+    if not rows:
+        return ""
+    table = markdown_table(["strategy", "phase", "peak", *PEAK_COLUMNS.values(), "share named only by code"], rows)
+    return f"""
+### At each peak, by component (last step, rank 0, MiB)
+Replayed from the allocator's recorded events (requested sizes); every block alive at the peak \
+is named by an address map taken while it was alive (census, saved-tensor hooks) or, for \
+temporaries, by the code that allocated it. "cuBLAS workspace + earlier" is memory allocated \
+before the phase that no census holds, up to the measured workspaces and earlier strategies' \
+leftovers; beyond that it is unattributed. "allocator rounding": the allocator's peak less the \
+replayed one (block sizes are rounded up from requests). The transients are named only by the code \
+that allocated them (any frame in the backend's files: DeepSpeed's, FSDP's; the optimizer's; \
+a backward allocation with no \
+Python frame): "share named only by code" is their part of the peak; the rest is named by tensor \
+or measured.
+
+{table}
+
+Largest temporaries at each peak (allocating code):
+{chr(10).join(sources)}
+"""
+
+
+def render(summary: dict, command: str) -> str:
+    """The same text for the terminal and report.md."""
+    ws, dev = summary["world_size"], summary["device"]
+    notes = "".join(f"\n> {n}\n" for n in summary["notes"])
+    return f"""# zerolens verify: {summary['verdict']}
+
+{ws} ranks on {dev}, {summary['precision']}, {summary['param_count']:,} parameters, {summary['steps']} steps, \
+baseline {summary['baseline']}. Command: `{command}`
+{notes}
+## Memory per rank (MiB = 1024^2 bytes)
+Counted from the tensors each rank holds, each storage once; a prediction from the parameter sizes \
+is shown only where it differs from the measurement. "grad partition" is the number of gradient \
+elements the rank owns. "peak": the CUDA allocator's, over all steps; on CPU, the highest of the per-phase peaks \
+of a tensor-allocation tracker (torch's MemTracker) on the last step.
+
+{memory_table(summary)}
+{allocator_section(summary)}{peak_section(summary)}{peak_prediction_section(summary)}
+## Loss (global batch, mean over ranks)
+
+{loss_table(summary)}
+
+## Checks
+
+{checks_text(summary)}
+
+**Verdict: {summary['verdict']}**
+"""
+
+
+# --- The terminal: what a user needs, at most about 25 lines of 100 columns ------------------------------
+
+def terminal_lines(summary: dict, out: Path) -> list:
+    """verify's summary for the terminal (rich renderables): one table of strategy x rank (identical
+    ranks folded) with what each keeps and its peak against the baseline's, the notes that matter,
+    the count of checks with every failing one in full, the verdict, and where the files are.
+    Everything else is in report.md (`--verbose` prints it)."""
+    from zerolens.report.tables import failed_line, terminal_table, verdict_line
+    base = summary["strategies"][summary["baseline"]]["ranks"]
+    keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "peak_bytes")
+    unit, label = unit_for([r[k] for s in summary["strategies"].values() for r in s["ranks"] for k in keys])
+    rows = []
+    for name, s in summary["strategies"].items():
+        shown = [tuple(cell for k in keys for cell in (in_unit(r[k], unit), ratio(r[k], base[r["rank"]][k])))
+                 for r in s["ranks"]]
+        for first, last, values in folded(shown):
+            rows.append([name, str(first) if first == last else f"{first}-{last}", *values])
+    table = terminal_table(["strategy", "ranks", "params", "vs base", "grads", "vs base", "optimizer", "vs base",
+                            "peak", "vs base"], rows, right=set(range(2, 10)))
+    checks = summary["checks"]
+    failed = [c for c in checks if not c["passed"]]
+    lines = ["", f"Memory per rank in {label}, {summary['precision']} (grads: right after backward; vs base: "
+             f"against {summary['baseline']})", table]
+    lines += [f"- {note}" for note in summary.get("headline_notes", [])]
+    lines.append(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
+                 + (f"; {len(summary['notes'])} notes in report.md" if summary["notes"] else "") + ".")
+    lines += [failed_line(f"{c['name']}: {c['detail']} (tolerance: {c['tolerance']})") for c in failed]
+    lines += [f"Not checked: {c['name']}: {c['why']}." for c in summary.get("not_checked", [])]
+    lines.append(verdict_line(summary["verdict"]))
+    lines.append(f"Report: {out / 'report.md'}; summary.json and plots beside it.")
+    return lines
+
+
+def folded(rows: list[tuple]) -> list[tuple[int, int, tuple]]:
+    """Consecutive identical rows as (first index, last index, row)."""
+    out = []
+    for i, row in enumerate(rows):
+        if out and out[-1][2] == row:
+            out[-1] = (out[-1][0], i, row)
+        else:
+            out.append((i, i, row))
+    return out

@@ -1,0 +1,114 @@
+"""Units and tables, for files and for the terminal.
+
+Bytes everywhere inside; MiB and GiB (1024-based) in what people read, one unit per table. The
+terminal gets rich's rendering, at most 100 columns wide, in colour only on a terminal (plain text
+in logs and pipes); report.md and the other Markdown files get Markdown tables.
+"""
+from __future__ import annotations
+
+import sys
+
+from zerolens.units import GiB, MiB
+
+WIDTH = 100  # the terminal's width for everything zerolens prints
+# The version of the files people parse (summary.json, bench.json, sweep.json, maxsize.json; keys and
+# units in docs/formats.md). A change of meaning bumps it.
+SCHEMA_VERSION = 2
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MiB:.3f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.3f}"
+
+
+def unit_for(values) -> tuple[float, str]:
+    """One unit for a whole table: GiB when its largest figure reaches 1 GiB, else MiB."""
+    largest = max((v for v in values if v is not None), default=0)
+    return (GiB, "GiB") if largest >= GiB else (MiB, "MiB")
+
+
+def in_unit(n: float | None, unit: float, digits: int = 3) -> str:
+    return "-" if n is None else f"{n / unit:,.{digits}f}"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def console(stderr: bool = False):
+    """rich's console, WIDTH columns at most (fewer on a narrower terminal)."""
+    from rich.console import Console
+    probe = Console(stderr=stderr)
+    width = min(WIDTH, probe.width) if probe.is_terminal else WIDTH
+    return Console(stderr=stderr, width=width, highlight=False, soft_wrap=False)
+
+
+def say(*lines, stderr: bool = False) -> None:
+    """Lines for the terminal, at most WIDTH columns. A str is printed as it is: rich's markup is off,
+    since what zerolens prints (check details, paths, a user's names) may hold brackets; colour comes
+    only from rich renderables (tables, `verdict_line`, `failed_line`)."""
+    terminal = console(stderr)
+    for line in lines:
+        terminal.print(line, markup=False)
+
+
+def terminal_table(header: list[str], rows: list[list], *, right: set[int] | None = None):
+    """A table for the terminal (rich): numbers right-aligned (the columns in `right`); cells are
+    plain text (no markup)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for i, name in enumerate(header):
+        table.add_column(Text(name), justify="right" if right and i in right else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(str(c)) for c in row))
+    return table
+
+
+def verdict_line(verdict: str):
+    """"Verdict: PASS" in green, FAIL in red (colour only reaches a terminal)."""
+    from rich.text import Text
+    return Text.assemble("Verdict: ", (verdict, f"bold {'green' if verdict == 'PASS' else 'red'}"))
+
+
+def failed_line(text: str):
+    """A failing check: "FAIL" in red, then its text as it is."""
+    from rich.text import Text
+    return Text.assemble(("FAIL", "red"), f" {text}")
+
+
+def progress(total: int, description: str = ""):
+    """A progress bar on stderr, drawn only on a terminal (left out of logs and pipes); it goes when
+    done. Use as a context manager; its `advance(label)` moves it one step."""
+    return Progress(total, description)
+
+
+class Progress:
+    def __init__(self, total: int, description: str):
+        self.total, self.description = total, description
+        self.bar = self.task = None
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+            self.bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                    TimeElapsedColumn(), console=console(stderr=True), transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task(self.description, total=self.total)
+        return self
+
+    def advance(self, description: str | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, refresh=True, **({"description": description} if description else {}))
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False

@@ -1,0 +1,220 @@
+"""Flags to a RunConfig: the command line's arguments, resolved once against the machine (how
+many GPUs, which precision, which model) and checked (validate.check_config) unless a launcher
+already did. Under torchrun or deepspeed, a worker resolves its own flags the same way."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from zerolens.errors import UserError
+from zerolens.models.hf import PREFIX as HF_PREFIX
+from zerolens.models.hf import model_config_fields
+from zerolens.models.model import PRESETS, ModelConfig
+from zerolens.run.config import RunConfig
+from zerolens.run.deepspeed_config import deepspeed_zero_setting, ds_config_from_file, ds_override_from_json
+from zerolens.run.validate import check_config
+from zerolens.strategies import registry
+from zerolens.strategies.layout import STAGE3_PERSISTENCE_THRESHOLD
+
+# AdamW's learning rate per preset. 1e-4 is the case study's. At width 1024 without warm-up it
+# pushed the loss from 2.8 to 6 within ten steps on 2xH200 (fp16), and the strategies' losses
+# then diverged; 1e-5 keeps the 130m preset stable.
+# The GPT presets use GPT-2-like rates, lower for the larger ones (no warm-up here).
+PRESET_LR = {"case-study": 1e-4, "case-study-130m": 1e-5, "gpt-tiny": 1e-3, "gpt-100m": 3e-4, "gpt-350m": 2e-4,
+             "gpt-1b": 2e-4}
+
+# Precision on GPU per preset: the case study's fp16, and bf16 for the larger model, where fp16's
+# dynamic loss scaling skipped different early steps under DDP, DeepSpeed without ZeRO and ZeRO,
+# so their losses parted by up to 0.7 (2xH200).
+PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-tiny": "bf16", "gpt-100m": "bf16",
+                        "gpt-350m": "bf16", "gpt-1b": "bf16"}
+
+def parse_strategies(text: str) -> tuple[str, ...]:
+    """`--strategies` as a tuple of known names."""
+    strategies = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not strategies:
+        raise UserError("--strategies is empty")
+    unknown = [s for s in strategies if s not in registry.names()]
+    if unknown:
+        raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(registry.names())}")
+    return strategies
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategies", default=",".join(registry.VERIFY_DEFAULT),
+                        help=f"comma-separated, from {','.join(registry.names())} (default: %(default)s)")
+    parser.add_argument("--baseline", default=None,
+                        help=f"the strategy the others are compared with (default: {registry.BASELINE} if listed, "
+                             "else the first)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="number of ranks (default: the number of GPUs when there are at least 2, else 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when at least 2 GPUs are visible, else cpu")
+    parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
+                        help="default: bf16 on cpu; on cuda fp16 for case-study (the case study's), else bf16")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
+                        help="the model (default: %(default)s; case-study is the demo's 0.53M-parameter Transformer)")
+    parser.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                        help="your nn.Module instead of a preset: a function returning it (built on the CPU, fp32); "
+                             "needs --batch")
+    parser.add_argument("--batch", default=None, metavar="MODULE:FUNCTION",
+                        help="with --model: function(step, batch_size, seed) -> (inputs, integer targets), the "
+                             "global batch of a step; the model's output are logits compared with the targets")
+    parser.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
+    parser.add_argument("--depth", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
+    parser.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="GPT presets: recompute each block in backward instead of keeping its activations")
+    parser.add_argument("--compile", action="store_true",
+                        help="GPT presets: torch.compile each block (faster steps after a compile of about a minute)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per step over all ranks; must be divisible by --nproc "
+                             "(default: micro-batch x nproc)")
+    parser.add_argument("--reduce-bucket-size", type=float, default=5e7,
+                        help="DeepSpeed reduce_bucket_size in elements (default 5e7, the case study's)")
+    parser.add_argument("--gradient-clipping", type=float, default=1.0,
+                        help="global gradient-norm clipping for every strategy; 0 turns it off "
+                             "(default 1.0, DeepSpeed's own default)")
+    parser.add_argument("--fused-adam", action="store_true",
+                        help="torch's fused AdamW kernel for every strategy (default: torch's foreach AdamW)")
+    parser.add_argument("--ds-config", default=None, metavar="FILE",
+                        help="your DeepSpeed JSON config for the zero strategies; \"auto\" values are filled from "
+                             "zerolens's settings, the stage comes from the strategy")
+    parser.add_argument("--ds-override", default=None, metavar="JSON",
+                        help="JSON merged into the DeepSpeed config zerolens writes, e.g. "
+                             "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
+    parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --out run folder if it exists")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="end the run when no rank makes progress for this many seconds (default 900; "
+                             "a rank that stopped answering is named)")
+    parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 3)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's peak dense TFLOP/s at the run's precision, for MFU "
+                             "(default: the datasheet figure for H100/H200/A100; none elsewhere)")
+    parser.add_argument("--memory-limit-gib", type=float, default=None,
+                        help="CUDA: cap the memory each rank's allocator may use, as on a smaller GPU")
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
+    or the user's model, or a Hugging Face one (--model hf:...)."""
+    if getattr(args, "model", None) and args.model.startswith(HF_PREFIX):
+        return hf_model_from_args(args)
+    if getattr(args, "model", None):
+        return user_model_from_args(args)
+    model = PRESETS[args.preset]
+    changes = {}
+    for flag, name, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
+                              ("--heads", "num_heads", args.heads), ("--seq-len", "seq_len", args.seq_len)):
+        if value is not None:
+            if value < 1:
+                raise UserError(f"{flag} must be at least 1, got {value}")
+            changes[name] = value
+    if args.activation_checkpointing:
+        changes["activation_checkpointing"] = True
+    if args.compile:
+        changes["compile_blocks"] = True
+    if "d_model" in changes and model.kind == "gpt":
+        changes["ffn_dim"] = 4 * changes["d_model"]
+    try:
+        return dataclasses.replace(model, **changes)
+    except ValueError as e:
+        raise UserError(f"--preset {args.preset}: {e}") from None
+
+def hf_model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """--model hf:<model type or config.json>, with --depth, --seq-len and --activation-checkpointing."""
+    if args.batch:
+        raise UserError("--batch is for --model module:factory; a Hugging Face model learns zerolens's own "
+                        "next-token task")
+    if getattr(args, "width", None) is not None or getattr(args, "heads", None) is not None or \
+            getattr(args, "compile", False):
+        raise UserError("--width/--heads/--compile change a preset; for a Hugging Face model write them into its "
+                        "config.json")
+    for flag, value in (("--depth", getattr(args, "depth", None)), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    fields = model_config_fields(args.model[len(HF_PREFIX):], depth=getattr(args, "depth", None), seq_len=args.seq_len)
+    try:
+        return ModelConfig(**fields, activation_checkpointing=args.activation_checkpointing)
+    except ValueError as e:
+        raise UserError(f"--model {args.model}: {e}") from None
+
+def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """--model module:factory with --batch module:function (check_config runs them)."""
+    if not args.batch:
+        raise UserError("--model needs --batch module:function: how zerolens makes inputs and targets (README)")
+    if any(v is not None for v in (args.width, args.depth, args.heads, args.seq_len)) or args.activation_checkpointing \
+            or args.compile:
+        raise UserError("--width/--depth/--heads/--seq-len/--activation-checkpointing/--compile change a preset, "
+                        "not a --model")
+    return ModelConfig(kind="user", factory=args.model, batch=args.batch)
+
+def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
+    """Samples per rank per step: --global-batch over the ranks, else --micro-batch."""
+    if args.global_batch is None:
+        return args.micro_batch
+    if args.global_batch < 1:
+        raise UserError(f"--global-batch must be at least 1, got {args.global_batch}")
+    if args.global_batch % nproc:
+        raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
+    return args.global_batch // nproc
+
+def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
+                     gpus_visible: int | None = None, checked: bool = False) -> RunConfig:
+    """The flags resolved against the machine into a RunConfig, checked (check_config) unless
+    `checked`. `world_size` is given when a launcher started us."""
+    gpus = visible_gpus() if gpus_visible is None else gpus_visible
+    device = args.device or ("cuda" if gpus >= 2 else "cpu")
+    if world_size is not None:
+        if args.nproc is not None and args.nproc != world_size:
+            raise UserError(f"--nproc {args.nproc} disagrees with the launcher's world size {world_size}")
+        nproc = world_size
+    else:
+        nproc = args.nproc if args.nproc is not None else (gpus if device == "cuda" and gpus >= 2 else 2)
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    strategies = parse_strategies(args.strategies)
+    baseline = args.baseline or registry.default_baseline(strategies)
+    precision, note = args.precision, ""
+    if precision is None:
+        # A user's model: bf16 on GPU, which needs no loss scaling.
+        precision = (PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16") if device == "cuda"
+                     else "bf16")
+        if device == "cpu":
+            note = "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case study's fp16"
+    job = getattr(args, "job", "verify")
+    # verify has no warm-up; bench's default is 3 untimed steps.
+    warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
+    micro_batch = micro_batch_of(args, nproc)
+    ds_config, ds_override = ds_config_from_file(args.ds_config), ds_override_from_json(args.ds_override)
+    reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
+    persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
+                                         STAGE3_PERSISTENCE_THRESHOLD)
+    config = RunConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
+                       precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
+                       micro_batch=micro_batch, reduce_bucket_size=reduce_bucket_size,
+                       param_persistence_threshold=persistence,
+                       gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
+                       ds_override=ds_override, ds_config=ds_config, ds_config_path=args.ds_config,
+                       job=job, warmup_steps=warmup, peak_tflops=getattr(args, "peak_tflops", None),
+                       memory_limit_gib=getattr(args, "memory_limit_gib", None),
+                       preset=args.model or args.preset, model=model_from_args(args), out=args.out,
+                       verbose=args.verbose, timeout=getattr(args, "timeout", None),
+                       lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
+    if not checked:
+        check_config(config, gpus_visible=gpus if world_size is None else None)
+    return config
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count()

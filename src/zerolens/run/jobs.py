@@ -1,0 +1,69 @@
+"""Running a checked config on local workers: its run folder, config.json, the launches, and what a
+failure leaves. Used by every command that trains (verify, bench, sweep, maxsize)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from zerolens.report import files
+from zerolens.report.tables import SCHEMA_VERSION
+from zerolens.run.config import RunConfig, save_config
+from zerolens.run.folder import default_run_folder, new_run_folder, results_path
+from zerolens.run.launch import WorkersFailed, launch_local
+
+USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def run_in_new_folder(config: RunConfig, command: str, overwrite: bool = False, quiet: bool = False) -> dict | None:
+    """One verify or bench on local workers, in a new run folder; its summary.json or bench.json, or
+    None when a rank failed (said on stderr, and summary.json marked FAIL)."""
+    out = run_folder(config, overwrite)
+    try:
+        return run_job(replace(config, out=str(out)), command, quiet=quiet)
+    except WorkersFailed as e:
+        report_failure(out, e, command)
+        return None
+
+
+def run_folder(config: RunConfig, overwrite: bool) -> Path:
+    return new_run_folder(Path(config.out) if config.out else default_run_folder(), overwrite)
+
+
+def report_failure(out: Path, error: WorkersFailed, command: str) -> None:
+    """A run that did not finish: one line on stderr, and summary.json marked FAIL with why, beside
+    the ranks' logs."""
+    print(f"zerolens: FAILED: {error}", file=sys.stderr)
+    if out.is_dir():
+        files.write_json(out / "summary.json", {"schema_version": SCHEMA_VERSION, "verdict": "FAIL",
+                                                 "failure": str(error), "command": command})
+        print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
+              file=sys.stderr)
+
+
+def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
+    """A checked config's verify or bench on local workers, in its run folder (config.out, made
+    already): config.json written there, then the workers started with it. Returns summary.json or
+    bench.json; raises WorkersFailed when a rank failed."""
+    out = Path(config.out)
+    save_config(config, out / "config.json", command)
+    # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
+    # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
+    os.environ.setdefault("DS_ACCELERATOR", config.device)
+    if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+    worker_args = ["--config", str(out / "config.json"), "--resume", "--fail-exit-code", "0", "--command", command,
+                   *(["--quiet"] if quiet else [])]
+    # A launch ends early after a strategy that left memory allocated (worker.run_strategies); the
+    # strategies after it get fresh processes, so that it is in none of their peaks.
+    remaining = len(config.strategies)
+    while remaining:
+        launch_local(config.nproc, worker_args, verbose=config.verbose, logs=out / "logs", timeout=config.timeout,
+                     backend="nccl" if config.device == "cuda" else "gloo")
+        left = sum(not results_path(out, name).exists() for name in config.strategies)
+        if left >= remaining:  # a launch that ended cleanly must have finished at least one
+            raise WorkersFailed(f"the workers ended without results for {left} strategies")
+        remaining = left
+    return json.loads((out / ("bench.json" if config.job == "bench" else "summary.json")).read_text())

@@ -1,0 +1,75 @@
+"""verify's peak prediction, made before training by a fresh process that rank 0 starts and waits for.
+
+A training worker cannot trace in its own process: its default process group leaves no room for the
+trace's fake one, and a backend may have patched torch (DeepSpeed's ZeRO-3 does).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerolens.predict.peak import predicted_peaks, why_not_predicted
+from zerolens.report.files import write_json
+from zerolens.run.config import load_config
+from zerolens.strategies import registry
+
+PREDICTED_PEAKS = "predicted_peaks.json"  # in a run folder: made before training (worker.py)
+
+
+# How long rank 0 waits for the prediction's process (predict_in_fresh_process) at most, while the
+# other ranks wait for rank 0 in a barrier (NCCL's times out after 10 minutes).
+PREDICTION_TIMEOUT_S = 300
+
+
+def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[int, int] | None) -> dict:
+    """predicted_peaks of a run (a RunConfig, saved in `run_folder` as config.json), made by a fresh
+    Python process (`python -m zerolens.run.prediction`) and written to the run folder's
+    predicted_peaks.json: a training worker cannot trace in its own process, whose default process
+    group leaves no room for the trace's fake one, and where a backend may have patched torch
+    (DeepSpeed's ZeRO-3 does). A process that fails, or is still running after PREDICTION_TIMEOUT_S
+    (or half the hang watchdog's --timeout, which would end every rank), leaves each strategy a
+    `why_not`, with what the process wrote on stderr (`traceback`)."""
+    import subprocess
+    import sys
+
+    timeout = PREDICTION_TIMEOUT_S if config.timeout is None else min(PREDICTION_TIMEOUT_S, config.timeout / 2)
+    command = [sys.executable, "-m", "zerolens.run.prediction", str(run_folder)]
+    if cuda_capability is not None:
+        command += ["--cuda-capability", ".".join(map(str, cuda_capability))]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        why, stderr = f"the prediction took more than {timeout:g} s, and its process was ended", e.stderr
+    else:
+        if result.returncode == 0:
+            return json.loads((run_folder / PREDICTED_PEAKS).read_text())
+        last_line = ([line for line in result.stderr.splitlines() if line.strip()] or [""])[-1]
+        why, stderr = f"the prediction's process failed (exit code {result.returncode}: {last_line})", result.stderr
+    if isinstance(stderr, bytes):  # TimeoutExpired keeps what was read before the end as bytes
+        stderr = stderr.decode(errors="replace")
+    predicted = {name: {"why_not": why_not_predicted(name, config) or why, "traceback": stderr or ""}
+                 for name in config.strategies}
+    write_json(run_folder / PREDICTED_PEAKS, predicted)
+    return predicted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m zerolens.run.prediction RUN_FOLDER [--cuda-capability MAJOR.MINOR]: what
+    predict_in_fresh_process runs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m zerolens.run.prediction",
+                                     description="Each strategy's peaks, predicted for the run in RUN_FOLDER "
+                                                 "(its config.json), into RUN_FOLDER/" + PREDICTED_PEAKS)
+    parser.add_argument("run_folder", type=Path)
+    parser.add_argument("--cuda-capability", type=lambda text: tuple(int(n) for n in text.split(".")), default=None,
+                        help="the GPU's compute capability, e.g. 9.0 (without it: a CPU run)")
+    args = parser.parse_args(argv)
+    registry.load_plugins()  # the run's strategies may come from plugins
+    config = load_config(str(args.run_folder / "config.json"))
+    write_json(args.run_folder / PREDICTED_PEAKS, predicted_peaks(config, args.cuda_capability))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The training loop: the same data and seed for every strategy, measured at phase boundaries."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zerolens.models.model import ModelConfig, build_model
+from zerolens.report.tables import progress
+from zerolens.run.faults import Fault, inject
+from zerolens.strategies import Strategy
+
+
+@dataclass
+class Phase:
+    """Which phase a rank is in, so a failure or a hang can say where it happened. `at` and `enter`
+    also write the rank's heartbeat, which the launcher's hang watchdog reads (launch.py)."""
+    strategy: str = "-"
+    step: int = -1
+    name: str = "start"
+    rank: int = 0
+    fault: Fault | None = None  # ZEROLENS_FAULT, for tests of failures
+    device: torch.device | None = None  # where a `leak` fault allocates
+    heartbeat: Path | None = None
+
+    def at(self, **where) -> None:
+        """Now at `where` (strategy, step, name); said in the heartbeat."""
+        for key, value in where.items():
+            setattr(self, key, value)
+        if self.heartbeat is not None:
+            write_heartbeat(self.heartbeat, str(self))
+
+    def enter(self, name: str) -> None:
+        """Now in training phase `name`; where ZEROLENS_FAULT says so, fail here (faults.py)."""
+        self.at(name=name)
+        inject(self.fault, self.rank, self.step, name, self.device)
+
+    def __str__(self):
+        where = self.name if self.strategy == "-" else f"{self.name} of {self.strategy}"
+        return where if self.step < 0 else f"{where} at step {self.step}"
+
+
+def write_heartbeat(path: Path, where: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"where": where, "time": time.time(), "pid": os.getpid()}))
+    tmp.replace(path)  # the watchdog never reads half a file
+
+
+@dataclass
+class StrategyRun:
+    """One strategy's run on this rank: what the loop and its probe found."""
+    name: str
+    records: list[dict] = field(default_factory=list)  # one per step, this rank
+    losses: list[float] = field(default_factory=list)  # global-batch loss per step (mean over ranks)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)  # the probe's own figures (peaks, leftovers)
+
+
+def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, steps: int, device: torch.device,
+          phase: Phase, probe) -> StrategyRun:
+    """The one training loop of verify and bench: set up, `steps` steps of forward, backward and
+    optimizer step on this rank's `batches`, the losses averaged over the ranks, teardown. The probe
+    does the measuring (verify's MemoryProbe, bench's StepTimer), around the steps and their phases."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    run = StrategyRun(strategy.name)
+    phase.at(strategy=strategy.name, step=-1, name="setup")
+    probe.before_setup(run)
+    strategy.setup(build_model(model_config, seed), device)
+    probe.after_setup(run)
+    # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
+    torch.manual_seed(seed + 1 + rank)
+    losses = []
+    start = time.perf_counter()
+    with progress(steps, probe.label(strategy, 0)) if rank == 0 else contextlib.nullcontext() as bar:
+        for step, (tokens, labels) in zip(range(steps), batches):
+            phase.at(step=step)
+            record = {"strategy": strategy.name, "rank": rank, "step": step}
+            last = step == steps - 1
+            with probe.step(strategy, record, last):
+                phase.enter("forward")
+                with probe.phase("forward", strategy, record, last):
+                    loss = strategy.forward_loss(tokens, labels)
+                phase.enter("backward")
+                with probe.phase("backward", strategy, record, last, loss=loss):
+                    strategy.backward(loss)
+                phase.enter("step")
+                with probe.phase("step", strategy, record, last):
+                    record["step_applied"] = strategy.step()
+            if last:
+                phase.at(name="measuring the last step")
+                probe.after_last_step(strategy, record, run)
+            losses.append(loss.item())  # a float: no tensor of the loop's outlives its step
+            run.records.append(record)
+            if bar is not None:
+                bar.advance(probe.label(strategy, step + 1))
+    run.seconds = time.perf_counter() - start
+    # One all-reduce for every step's loss: equal micro-batches, so their mean is the global-batch loss.
+    phase.at(step=-1, name="loss all-reduce")
+    total = torch.tensor(losses, dtype=torch.float32, device=device)
+    dist.all_reduce(total)
+    for record, mine, mean in zip(run.records, losses, (total / world_size).tolist()):
+        record["local_loss"], record["loss"] = mine, mean
+    run.losses = [r["loss"] for r in run.records]
+    run.notes = strategy.notes()  # after the steps: some notes are about what a step did
+    probe.finished(run)
+    phase.at(name="teardown")
+    # The last loss's graph reaches the parameters, and through DeepSpeed's hooks the whole
+    # optimizer: drop it before collecting, or this strategy's memory outlives it.
+    del loss, total
+    strategy.teardown()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run

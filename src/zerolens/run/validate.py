@@ -1,0 +1,122 @@
+"""The checks of a run's settings that cost something, made once, before any worker starts: the
+GPUs, the releases zerolens knows, each DeepSpeed config, a user's model and batch on the meta
+device, and a layout every strategy can predict. Each failure is a UserError of one line."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import logging
+import math
+import os
+
+import torch
+
+from zerolens.compat import check_supported
+from zerolens.errors import UserError, one_line_error
+from zerolens.models.data import make_batch
+from zerolens.models.model import ModelConfig, parameter_shapes, user_model
+from zerolens.run.config import RunConfig
+from zerolens.run.faults import fault_from_environment
+from zerolens.strategies import loss_of, registry
+
+
+def check_config(config: RunConfig, gpus_visible: int | None = None, *, running: bool = True) -> None:
+    """The checks that cost something, made once, before any worker starts: the GPUs are there
+    (`gpus_visible`: none when a launcher placed the ranks), the releases zerolens knows, each
+    DeepSpeed config through DeepSpeed's own config model, a user's model and batch run on the meta
+    device, and a layout every strategy can predict. Not `running` (a plan without --check): only
+    predicted, so DeepSpeed need not be installed."""
+    if config.device == "cuda" and gpus_visible is not None and gpus_visible < config.nproc:
+        fix = f"use --nproc {gpus_visible} or --device cpu" if gpus_visible else "use --device cpu"
+        raise UserError(f"--device cuda with {config.nproc} processes needs {config.nproc} GPUs, but "
+                        f"{gpus_visible} are visible; {fix}")
+    try:
+        fault_from_environment()  # ZEROLENS_FAULT, for tests of failures
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    check_supported("torch", torch.__version__)
+    if running and registry.needing_deepspeed(config.strategies):
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
+                            f"{','.join(registry.without_deepspeed())})")
+        check_supported("deepspeed")
+        check_deepspeed_configs(config)
+    if config.model.kind == "user":
+        try:
+            check_model_contract(config.model, config.micro_batch * config.nproc, config.seed)
+        except UserError:
+            raise
+        except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
+            raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
+    # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
+    # refused here, not after the others trained.
+    shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
+    for name in config.strategies:
+        try:
+            registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
+                                      reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes,
+                                      param_persistence_threshold=config.param_persistence_threshold)
+        except ValueError as e:
+            raise UserError(f"--strategies {name}: {e}") from None
+
+def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> None:
+    """What zerolens needs of a user's model and batch function (README, "Your own model"): a batch
+    of `global_batch` rows (inputs, integer targets), and logits as one tensor that cross-entropy
+    can compare with the targets. Run on the meta device; a model whose forward needs real values
+    there (data-dependent shapes, .item()) is left to the workers."""
+    if not parameter_shapes(model):
+        raise UserError(f"--model {model.factory}: the model has no parameters")
+    inputs, targets = make_batch(model, 0, seed=seed, batch_size=global_batch, signal=0.0)
+    with torch.device("meta"):
+        module = user_model(model)
+    try:
+        output = module(inputs.to("meta"))
+    except (NotImplementedError, RuntimeError) as e:
+        if "meta" in str(e) or isinstance(e, NotImplementedError):
+            return  # cannot run on the meta device: the workers will run it for real
+        raise
+    if not isinstance(output, torch.Tensor):
+        raise UserError(f"--model {model.factory}: the model returned a {type(output).__name__}; zerolens needs "
+                        "its logits as one tensor (..., classes): return them alone (e.g. `.logits` or `[0]` of "
+                        "a Hugging Face output, in a small wrapper module)")
+    try:
+        loss_of(output, targets.to("meta"))
+    except Exception as e:
+        raise UserError(f"--model/--batch: the model's output {tuple(output.shape)} and the batch's targets "
+                        f"{tuple(targets.shape)} do not fit cross-entropy ({one_line_error(e)}); zerolens compares "
+                        "logits (..., classes) with integer targets (...) of the same leading shape, for a global "
+                        f"batch of {global_batch} rows") from None
+
+
+def check_deepspeed_configs(config: RunConfig) -> None:
+    """Each zero strategy's DeepSpeed config, as it will be passed to deepspeed.initialize, through
+    DeepSpeed's own config model: a bad value (a bucket of 0 elements, a misspelt key in --ds-config
+    or --ds-override) ends here in one line rather than in the workers after other strategies trained."""
+    os.environ.setdefault("DS_ACCELERATOR", config.device)  # saves DeepSpeed a probe and a warning
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from deepspeed.runtime.config import DeepSpeedConfig
+    # DeepSpeed logs its config at INFO, to a handler bound to stdout when it was imported: quiet
+    # here, and as it was afterwards (--verbose brings DeepSpeed's logging back in the workers).
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        validate_deepspeed_configs(config, DeepSpeedConfig)
+    finally:
+        logger.setLevel(level)
+
+def validate_deepspeed_configs(config: RunConfig, DeepSpeedConfig) -> None:
+    settings = config.train_settings()
+    for name in config.strategies:
+        if not registry.spec(name).needs_deepspeed:
+            continue
+        ds_config = registry.make_strategy(name, settings).ds_config()
+        # DeepSpeed checks train_batch_size against the world size it finds, which is 1 here (no process
+        # group); the batch arithmetic over the ranks is checked by check_user_ds_config.
+        ds_config = {**ds_config, "train_batch_size": ds_config.get("train_micro_batch_size_per_gpu", 1)
+                     * ds_config.get("gradient_accumulation_steps", 1)}
+        try:
+            DeepSpeedConfig(ds_config)
+        except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts and ValueErrors
+            raise UserError(f"{name}: DeepSpeed rejects its config: {one_line_error(e)}") from None

@@ -1,0 +1,447 @@
+"""The per-rank entry point: trains every strategy on this rank, measures, gathers to rank 0.
+
+Runs under `zerolens verify` (which starts it through torch's elastic launcher), and unchanged
+under `torchrun --nproc-per-node N -m zerolens.run.worker ...` or
+`deepspeed --num_gpus N --module zerolens.run.worker ...` (ranks come from the environment;
+the `--local_rank` that the deepspeed launcher appends is accepted).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import io
+import json
+import logging
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from zerolens.errors import UserError
+from zerolens.measure.allocator import clear_cublas_workspaces
+from zerolens.measure.probe import MemoryProbe
+from zerolens.measure.timer import StepTimer
+from zerolens.models.data import rank_batches
+from zerolens.models.model import parameter_shapes
+from zerolens.report import files, render
+from zerolens.report.checks import metrics_complete
+from zerolens.report.summary import build_summary
+from zerolens.report.tables import say
+from zerolens.run.config import RunConfig, load_config, save_config
+from zerolens.run.faults import fault_from_environment, leaked_bytes
+from zerolens.run.flags import add_bench_arguments, add_verify_arguments, config_from_args
+from zerolens.run.folder import default_run_folder, is_run_folder, new_run_folder, results_path
+from zerolens.run.launch import OUT_OF_MEMORY
+from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
+from zerolens.run.train import Phase, train
+from zerolens.strategies import make_strategy, registry
+from zerolens.units import MiB
+
+
+class RankFailure(RuntimeError):
+    """Carries the rank and phase of a failure to the launcher's error report."""
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zerolens.run.worker", description=__doc__)
+    add_verify_arguments(parser)
+    add_bench_arguments(parser)
+    parser.add_argument("--job", choices=("verify", "bench"), default="verify")
+    # Files only, nothing on the terminal: the points of a sweep, the trials of maxsize.
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    # `zerolens verify` turns the verdict into its own exit code, so it asks for 0 here.
+    parser.add_argument("--fail-exit-code", type=int, default=1, help="exit code of rank 0 on FAIL (default 1)")
+    parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    # Started by `zerolens`: the run folder exists; strategies with results in it are done; the
+    # launch ends after a strategy that left memory allocated, and zerolens starts the rest anew.
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    # The run's settings, resolved and checked by `zerolens` (config.json); with it the settings flags
+    # (verify's and bench's, --job) are ignored, and only the ones that say how to run count.
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """DeepSpeed logs at INFO on every rank; users want one table. --verbose brings it back."""
+    if verbose:
+        return
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    with contextlib.suppress(ImportError):
+        from deepspeed.utils import logger as ds_logger
+        ds_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(torch|deepspeed)\..*")
+
+
+def init_distributed(config: RunConfig, local_rank: int) -> torch.device:
+    if config.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        if config.memory_limit_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, config.memory_limit_gib * 2**30 / total), device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    if registry.needing_deepspeed(config.strategies):
+        import deepspeed
+        # DeepSpeed wraps the process group that already exists. On CPU it prints a line per rank
+        # about its shared-memory collective op: keep that out of the table unless asked.
+        quiet = contextlib.nullcontext() if config.verbose else contextlib.redirect_stdout(io.StringIO())
+        with quiet:
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return device
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    with contextlib.suppress(ImportError):
+        import deepspeed
+        out["deepspeed"] = deepspeed.__version__
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def watch_for_hangs(logs: Path, rank: int, phase: Phase):
+    """What the launcher's hang watchdog (launch.py) reads: this rank's heartbeat, rewritten at
+    every change of phase, and its Python stack, dumped on SIGUSR1 (faulthandler works even while
+    the rank is blocked in a collective). Returns the open stack file, which must stay open."""
+    logs.mkdir(parents=True, exist_ok=True)
+    stack_file = open(logs / f"stack_rank{rank}.txt", "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    phase.heartbeat = logs / f"heartbeat_rank{rank}.json"
+    return stack_file
+
+
+def stop_watching(stack_file) -> None:
+    """After the last collective: a finished rank has no stack to show, so its empty dump file
+    goes. The handler stays registered till the process ends (a late SIGUSR1 from the watchdog
+    then writes to the unlinked file instead of killing the rank)."""
+    stack_file.flush()
+    path = Path(stack_file.name)
+    if path.stat().st_size == 0:
+        path.unlink()
+
+
+def out_of_memory_message(rank: int, phase: Phase, error: Exception) -> str:
+    """One line: where, how much was asked for (from the allocator's message), and what to try."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(error))
+    return (f"rank {rank} {OUT_OF_MEMORY} during {phase}"
+            + (f" (tried to allocate {asked.group(1)})" if asked else "")
+            + ": try a smaller --micro-batch, a smaller --reduce-bucket-size, a higher ZeRO stage or FSDP2, "
+              "or --activation-checkpointing (GPT presets)")
+
+
+def git_commit() -> str | None:
+    """The commit of the zerolens source, when it runs from a git checkout."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        result = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        if result.returncode == 0:
+            return result.stdout.strip()
+    return None
+
+
+def environment(config: RunConfig, command: str, device: torch.device) -> dict:
+    """env.json: what produced the run, for whoever reads its figures later."""
+    return {"command": command, "argv": sys.argv, "python": sys.version.split()[0], **versions(),
+            "backend": dist.get_backend(), "world_size": dist.get_world_size(), "device": str(device.type),
+            "devices": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                        if device.type == "cuda" else [platform.processor() or platform.machine()]),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "hostname": platform.node(),
+            "zerolens_commit": git_commit(), "zerolens_fault": os.environ.get("ZEROLENS_FAULT")}
+
+
+def allocated_now(device: torch.device) -> int:
+    """CUDA: what the caching allocator holds. CPU: no allocator to ask; only what a `leak` fault keeps
+    (faults.py) is known, which is how the tests reach the relaunch on CPU."""
+    if device.type != "cuda":
+        return leaked_bytes(device)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def memory_left_behind(device: torch.device, allocated_before: int) -> int:
+    """Bytes a strategy left allocated after its teardown, the most of any rank. cuBLAS workspaces
+    are dropped first: every strategy allocates its own on its first matrix product."""
+    clear_cublas_workspaces()
+    left = torch.tensor([allocated_now(device) - allocated_before], device=device)
+    dist.all_reduce(left, op=dist.ReduceOp.MAX)
+    return max(0, int(left.item()))
+
+
+def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phase, earlier_left: int) -> dict:
+    """This rank's results for one strategy, through the one training loop: measured (verify's
+    MemoryProbe) or timed (bench's StepTimer, after its warm-up steps)."""
+    strategy = make_strategy(name, config.train_settings())
+    bench = config.job == "bench"
+    probe = (StepTimer(device, config.warmup_steps) if bench
+             else MemoryProbe(device, earlier_left, backend_code=registry.spec(name).transient_code))
+    batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
+                           rank=dist.get_rank(), world_size=dist.get_world_size())
+    run = train(strategy, model_config=config.model, seed=config.seed, batches=batches, device=device, phase=phase,
+                steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe)
+    if bench:
+        return {"name": name, "seconds": [r["seconds"] for r in run.records], "losses": run.losses,
+                "settings": strategy.describe(), "notes": run.notes, **run.measured}
+    return {"losses": run.losses, "records": run.records, "seconds": run.seconds, "settings": strategy.describe(),
+            "notes": run.notes, **run.measured}
+
+
+def append_metrics(out: Path, rank: int, records: list[dict]) -> None:
+    """This rank's per-step records, appended to its own metrics file (written whole each time)."""
+    path = out / f"metrics_rank{rank}.jsonl"
+    before = path.read_text() if path.exists() else ""
+    files.write_atomic(path, before + "".join(json.dumps(r) + "\n" for r in records))
+
+
+def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path, phase: Phase,
+                   stop_on_leftover: bool, quiet: bool = False) -> bool:
+    """Runs, one after another, every strategy that has no results in `out` yet; rank 0 writes each
+    one's results as soon as it is done. A strategy that leaves memory allocated after its teardown
+    would put it in the next one's peak (DDP's buckets were still allocated right after its teardown
+    on 2xH200; measured after the gather below, they are gone): with `stop_on_leftover` this launch
+    then ends, and `zerolens` starts fresh processes for the rest. So it does after a strategy that
+    left torch.nn.functional.linear replaced: DeepSpeed's ZeRO-3 puts its own in, which saves other
+    tensors for backward, and leaves it ("This will persist unless manually reset", 0.19); FSDP2
+    after it in the same processes peaked 1.5% lower in forward on the case study (CPU). Returns True
+    when every strategy has results."""
+    linear = torch.nn.functional.linear
+    rank = dist.get_rank()
+    todo = [[n for n in config.strategies if not results_path(out, n).exists()] if rank == 0 else None]
+    dist.broadcast_object_list(todo)  # rank 0's view of the run folder, for every rank
+    todo = todo[0]
+    left_by_earlier = 0
+    for i, name in enumerate(todo):
+        allocated_before = allocated_now(device)
+        result = run_strategy(name, config, device, phase, left_by_earlier)
+        result["earlier_strategies_left_bytes"] = left_by_earlier
+        if job == "verify":
+            phase.at(strategy=name, step=-1, name="writing metrics")
+            append_metrics(out, rank, result["records"])
+        phase.at(strategy=name, step=-1, name="gathering results")
+        gathered = [None] * config.nproc
+        dist.all_gather_object(gathered, result)
+        phase.at(name="measuring what is left")
+        left = memory_left_behind(device, allocated_before)
+        if rank == 0:
+            files.write_json(results_path(out, name), {"strategy": name, "left_allocated_bytes": left,
+                                                        "ranks": gathered})
+            if job == "verify" and not quiet:
+                losses = gathered[0]["losses"]
+                say(f"zerolens: {name} done in {max(g['seconds'] for g in gathered):.1f} s, loss "
+                    f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+        left_by_earlier += left
+        linear_replaced = torch.nn.functional.linear is not linear
+        if (left or linear_replaced) and stop_on_leftover and i + 1 < len(todo):
+            if left and rank == 0 and not quiet:
+                say(f"zerolens: {name} left {left / MiB:.1f} MiB allocated: the next strategies start in fresh "
+                    "processes")
+            return False
+    return True
+
+
+def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int) -> list[list[dict]]:
+    """gathered[rank][i]: rank's results for strategies[i], from the results files."""
+    results = {name: json.loads(results_path(out, name).read_text()) for name in strategies}
+    for name, f in results.items():
+        for rank in f["ranks"]:
+            rank["left_allocated_by_this_strategy_bytes"] = f["left_allocated_bytes"]
+    return [[results[name]["ranks"][r] for name in strategies] for r in range(nproc)]
+
+
+def read_predicted_peaks(out: Path) -> dict:
+    """The run's predicted_peaks.json; empty where the run made none (maxsize's trials)."""
+    path = out / PREDICTED_PEAKS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def finish_bench(config: RunConfig, device: torch.device, out: Path, command: str, quiet: bool) -> None:
+    """Rank 0, once every strategy has results: bench.json, bench.md and bench.png."""
+    from zerolens.report.bench import bench_summary, bench_terminal_lines, render_bench
+    params = sum(shape.numel() for shape in parameter_shapes(config.model))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    summary = bench_summary(config, gathered_results(out, config.strategies, config.nproc), params, device_name,
+                            versions(), predicted=read_predicted_peaks(out))
+    if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
+        total = torch.cuda.get_device_properties(device).total_memory
+        summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \
+            else total
+    text = render_bench(summary, command)
+    files.write_json(out / "bench.json", summary)
+    files.write_atomic(out / "bench.md", text)
+    if quiet:
+        return
+    try:
+        from zerolens.report.plots import bench_plot
+        bench_plot(summary, out / "bench.png")
+    except ImportError:
+        say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    say(*(text.splitlines() if config.verbose else bench_terminal_lines(summary, out)))
+
+
+def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quiet: bool = False) -> dict:
+    """Rank 0, once every strategy has results: summary.json, report.md and the plots."""
+    # Shapes from a copy on the meta device: building the model again on the CPU only to read its
+    # sizes cost seconds (14 s for gpt-1b on 2 cores).
+    shapes = parameter_shapes(config.model)
+    summary = build_summary(config, gathered_results(out, config.strategies, config.nproc), [s.numel() for s in shapes],
+                            versions(), param_shapes=[tuple(s) for s in shapes],
+                            metrics=metrics_complete(out, config.strategies, config.steps, config.nproc),
+                            predicted_peaks=read_predicted_peaks(out))
+    text = render.render(summary, command)
+    files.write_json(out / "summary.json", summary)
+    files.write_atomic(out / "report.md", text)
+    phase.at(name="plotting")
+    try:
+        from zerolens.report.plots import verify_plots
+        verify_plots(summary, out)
+    except ImportError:
+        say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    if config.verbose and not quiet:
+        say(*text.splitlines())
+    if not quiet:
+        say(*render.terminal_lines(summary, out))
+    return summary
+
+
+def agree_on_run_folder(config: RunConfig, args: argparse.Namespace) -> Path:
+    """The run folder, decided by rank 0 and told to every rank. Started by `zerolens`, the folder
+    exists (zerolens made it). Under another launcher rank 0 makes it here, with the same rules:
+    a new or empty folder, or with --overwrite one zerolens created. A UserError reaches every rank."""
+    decision = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            out = Path(config.out) if config.out else default_run_folder()
+            if not (args.resume and is_run_folder(out)):
+                new_run_folder(out, args.overwrite)
+            decision = [str(out), None]
+        except UserError as e:
+            decision = [None, str(e)]
+    dist.broadcast_object_list(decision)
+    if decision[1] is not None:
+        raise UserError(decision[1])
+    return Path(decision[0])
+
+
+def print_header(config: RunConfig, out: Path) -> None:
+    if config.precision_note:
+        say(f"zerolens: {config.precision_note}")
+    if config.job == "bench":
+        say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
+            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps",
+            f"run folder: {out}")
+    else:
+        say(f"zerolens verify: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
+            f"{', '.join(config.strategies)}, {config.steps} steps", f"run folder: {out}")
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = worker_parser().parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("zerolens.run.worker: no RANK/WORLD_SIZE in the environment; start it with zerolens verify, "
+              "torchrun or deepspeed", file=sys.stderr)
+        return 2
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    try:
+        registry.load_plugins()
+        config = load_config(args.config) if args.config else config_from_args(args, world_size=world_size)
+        if config.nproc != world_size:
+            raise UserError(f"the config is for {config.nproc} ranks, the launcher started {world_size}")
+    except UserError as e:
+        if rank == 0:
+            print(f"zerolens: {e}", file=sys.stderr)
+        return 2
+    quiet_libraries(config.verbose)
+    command = args.command or shlex.join([os.path.basename(sys.executable), "-m", "zerolens.worker",
+                                          *(argv if argv is not None else sys.argv[1:])])
+    phase = Phase(name="init", rank=rank, fault=fault_from_environment())
+    # Started by `zerolens`, the run folder exists before the ranks do: the hang watchdog can hear
+    # from them from the start, process-group initialisation included.
+    out = Path(config.out) if args.resume else None
+    stack_file = watch_for_hangs(out / "logs", rank, phase) if out is not None else None
+    try:
+        phase.enter("init")
+        device = phase.device = init_distributed(config, local_rank)
+        try:
+            out = agree_on_run_folder(config, args)
+        except UserError as e:
+            if rank == 0:
+                print(f"zerolens: {e}", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
+        if stack_file is None:
+            stack_file = watch_for_hangs(out / "logs", rank, phase)
+        first_launch = not (out / "results").exists()
+        if rank == 0:
+            if first_launch and not args.quiet:
+                print_header(config, out)
+            if not (out / "env.json").exists():
+                files.write_json(out / "env.json", environment(config, command, device))
+            if not args.config:  # zerolens wrote it; under another launcher rank 0 does
+                save_config(config, out / "config.json", command)
+            if config.predict_peaks and not (out / PREDICTED_PEAKS).exists():
+                # Before anything trains: a prediction made without the measurement.
+                phase.at(strategy="-", step=-1, name="predicting the peaks")
+                capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+                predict_in_fresh_process(config, out, capability)
+        dist.barrier()  # the folder is ready before any rank writes into it
+        finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume,
+                                  quiet=args.quiet)
+        summary = None
+        if finished and rank == 0:
+            phase.at(strategy="-", step=-1, name="writing the report")
+            if config.job == "bench":
+                finish_bench(config, device, out, command, quiet=args.quiet)
+            else:
+                summary = finish_verify(config, out, command, phase, quiet=args.quiet)
+        phase.at(strategy="-", step=-1, name="shutdown")
+        dist.barrier()
+        dist.destroy_process_group()
+        stop_watching(stack_file)
+    except Exception as e:
+        message = (out_of_memory_message(rank, phase, e) if isinstance(e, torch.OutOfMemoryError)
+                   else f"rank {rank} failed during {phase}: {type(e).__name__}: {e}")
+        if out is not None:  # the rank's own log in the run folder, traceback included
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+            (out / "logs" / f"rank{rank}.log").write_text(message + "\n\n" + traceback.format_exc())
+        else:  # no run folder yet: the traceback goes to the console
+            traceback.print_exc()
+        raise RankFailure(message) from e
+    if summary is not None and summary["verdict"] == "FAIL":
+        return args.fail_exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except RankFailure:
+        # @record has written the error for the launcher, which reports it in one line; the
+        # traceback is in this rank's log in the run folder, not on everyone's console.
+        code = 1
+    # Everything is written and the process group is gone. Skip the interpreter's teardown: a C++
+    # thread left by a backend has aborted it ("terminate called without an active exception",
+    # seen in CPU test processes after destroy_process_group), which would turn a finished run
+    # into a reported crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,221 @@
+"""What DeepSpeed's ZeRO-1/2 gradient partition should look like, from parameter sizes alone.
+
+Pure functions: no torch.distributed, no DeepSpeed. They restate the layout of
+deepspeed/runtime/zero/stage_1_and_2.py (0.19.x) so the census can be checked against it:
+- the parameters of a group are laid end to end in one flat buffer, padded at the tail to a
+  multiple of 2 * N elements (`nccl_start_alignment_factor` = 2, times the world size);
+- rank r owns the slice [r * P, (r + 1) * P) of that buffer, P = padded size / N;
+- after backward the rank's gradients sit in a buffer (`grads_in_partition`) sized to every
+  parameter that overlaps its slice *whole*, so it holds more than P elements when a parameter
+  straddles a partition boundary;
+- the alignment padding at the tail of the last slice is a separate zero tensor of its own.
+
+FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.13, torch/distributed/fsdp/_fully_shard/) shards
+each parameter on its own, so its layout needs the parameters' shapes, not only their sizes:
+- a parameter of dim-0 size d is cut with torch.chunk into chunks of c = ceil(d / N) rows: rank r
+  holds rows [r * c, min(d, (r + 1) * c)), which is fewer than c on the last ranks and can be none;
+- every rank keeps its shard in a buffer of its own, zero-padded to c rows, and the parameter is a
+  view into it (_fsdp_param.py, FSDPParam._init_sharded_param);
+- after backward the gradients of one FSDP group are views into one flat buffer of the group's
+  padded shard sizes, in the reduce dtype cast to the weights' (fp32 here): the reduce-scatter's
+  output (_fsdp_collectives.py, foreach_reduce);
+- AdamW's moments are DTensors like the parameters; their local tensors are fresh, so unpadded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed_version
+
+from zerolens.compat import release
+
+ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor (4-byte alignment for 2-byte types)
+
+
+@dataclass(frozen=True)
+class RankPartition:
+    rank: int
+    start: int  # first element of the rank's slice in the padded flat buffer
+    partition_elements: int  # P: the slice, tail padding included
+    padding_elements: int  # how much of the slice is alignment padding
+    overlapping_params: tuple[int, ...]  # indices of the parameters that overlap the slice
+    grad_buffer_elements: int  # sum of their sizes: what grads_in_partition holds
+
+    @property
+    def held_grad_elements(self) -> int:
+        """Gradient elements the rank holds after backward: the buffer plus the padding tensor."""
+        return self.grad_buffer_elements + self.padding_elements
+
+
+def zero_partition_layout(param_numels: list[int], world_size: int) -> list[RankPartition]:
+    """Per-rank partition of one ZeRO-1/2 parameter group (no parameter_alignment, no round-robin)."""
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    total = sum(param_numels)
+    alignment = ALIGNMENT_FACTOR * world_size
+    padded = math.ceil(total / alignment) * alignment
+    size = padded // world_size
+    offsets = [sum(param_numels[:i]) for i in range(len(param_numels))]
+    layout = []
+    for rank in range(world_size):
+        start, end = rank * size, (rank + 1) * size
+        # Same rule as get_partition_info: a parameter belongs if it starts in the slice or
+        # straddles its start.
+        overlapping = tuple(i for i, (off, n) in enumerate(zip(offsets, param_numels))
+                            if start <= off < end or off < start < off + n)
+        layout.append(RankPartition(
+            rank=rank, start=start, partition_elements=size,
+            padding_elements=max(0, min(end, padded) - max(start, total)),
+            overlapping_params=overlapping,
+            grad_buffer_elements=sum(param_numels[i] for i in overlapping)))
+    return layout
+
+
+@dataclass(frozen=True)
+class DeepSpeedLayout:
+    """Where DeepSpeed releases differ in what a rank keeps. The default is 0.17 to 0.19's;
+    `deepspeed_layout` gives the one of an installed or recorded release. (Releases also differ in
+    behaviour that zerolens corrects and detects at run time, not from the version: the fp16 loss
+    scale of 0.18/0.19 and the bf16 gradients 0.17 keeps after the step, strategies.py.)"""
+    # The optimizer wrapper of bf16 without ZeRO. 0.17 and later: FP16_UnfusedOptimizer (with a torch
+    # optimizer): get_data_types defaults the gradient accumulation dtype to the model's, so
+    # _do_optimizer_sanity_check returns DDP_BFLOAT16. 0.16: get_data_types defaults it to fp32 for
+    # bf16 without ZeRO, which selects BF16_Optimizer: bf16 weights flat and padded, their bf16
+    # gradients kept after the step, a flat fp32 gradient buffer of the same size kept for good,
+    # fp32 masters and Adam state on 1/N of it (runtime/bf16_optimizer.py).
+    stage0_bf16_wrapper: str = "FP16_UnfusedOptimizer"
+
+
+DEEPSPEED_0_19 = DeepSpeedLayout()
+
+
+def deepspeed_layout(version: str | None = None) -> DeepSpeedLayout:
+    """The layout of DeepSpeed `version` ("0.17.6"), by default the installed one (read from the
+    package metadata: DeepSpeed is not imported; 0.19's when it is not installed). Which releases
+    zerolens supports is compat.py's business, checked before anything runs."""
+    if version is None:
+        try:
+            version = installed_version("deepspeed")
+        except PackageNotFoundError:
+            return DEEPSPEED_0_19
+    return DeepSpeedLayout(stage0_bf16_wrapper="BF16_Optimizer" if release(version) < (0, 17) else "FP16_UnfusedOptimizer")
+
+
+# --- What each rank keeps between steps, per strategy -------------------------------------------
+# Byte sizes of the pieces. K = 12 in the ZeRO paper's notation: fp32 master weights, momentum
+# and variance. torch's AdamW also keeps its `step` counter as a float32 scalar tensor per
+# parameter tensor it updates.
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+FP32 = 4
+ADAM_MOMENTS = 8
+STEP_COUNTER = 4
+STAGE3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's param_persistence_threshold default
+RETAINED_KEYS = ("param_bytes", "grad_bytes_after_backward", "grad_bytes_after_step", "optimizer_state_bytes",
+                 "comm_buffer_bytes_after_backward", "grad_partition_elements")
+
+
+def stage3_shard_elements(param_numels: list[int], world_size: int) -> int:
+    """ZeRO-3 pads each parameter to a multiple of N and gives every rank ceil(n / N) of it."""
+    return sum(math.ceil(n / world_size) for n in param_numels)
+
+
+def fsdp2_shard_elements(param_shapes: list[tuple[int, ...]], world_size: int, rank: int) -> tuple[int, int]:
+    """(elements of the padded shards, elements of the rank's own rows) over all parameters, as
+    FSDP2 cuts them: ceil(d / N) rows of dim 0 per rank, torch.chunk's rule."""
+    padded = held = 0
+    for shape in param_shapes:
+        if not shape:
+            raise ValueError("FSDP2 shards on dim 0: a 0-dimensional parameter cannot be sharded")
+        rows, row_elements = shape[0], math.prod(shape[1:])
+        chunk = math.ceil(rows / world_size)
+        padded += chunk * row_elements
+        held += max(0, min(chunk, rows - rank * chunk)) * row_elements
+    return padded, held
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What a layout prediction is given: the parameters, the rank, and the settings that shape what
+    it keeps."""
+    param_numels: list[int]
+    world_size: int
+    rank: int
+    precision: str
+    reduce_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD  # ZeRO-3: kept whole at most this many
+    param_shapes: list[tuple[int, ...]] | None = None  # FSDP2 needs them; the others only sizes
+    deepspeed: DeepSpeedLayout = DEEPSPEED_0_19
+
+    @property
+    def psi(self) -> int:
+        return sum(self.param_numels)
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.precision]
+
+
+def retained(param_bytes: int, grad_bytes_after_backward: int, grad_bytes_after_step: int,
+             optimizer_state_bytes: int, comm_buffer_bytes_after_backward: int, grad_partition_elements: int) -> dict:
+    """Bytes a rank holds per component, right after backward and after the step (RETAINED_KEYS)."""
+    return dict(param_bytes=param_bytes, grad_bytes_after_backward=grad_bytes_after_backward,
+                grad_bytes_after_step=grad_bytes_after_step, optimizer_state_bytes=optimizer_state_bytes,
+                comm_buffer_bytes_after_backward=comm_buffer_bytes_after_backward,
+                grad_partition_elements=grad_partition_elements)
+
+
+# The layouts below are those of torch DDP (gradient_as_bucket_view=False), DeepSpeed with a torch
+# AdamW (`torch_adam`) and contiguous_gradients (its default), 0.19 unless `deepspeed` says otherwise
+# (see deepspeed_layout), and FSDP2 (torch 2.13). The strategy registry (strategies/registry.py)
+# says which strategy keeps which.
+
+def torch_ddp_layout(x: Layout) -> dict:
+    """fp32 weights and gradients under autocast; the buckets mirror the gradients."""
+    psi = x.psi
+    return retained(FP32 * psi, FP32 * psi, 0, ADAM_MOMENTS * psi + STEP_COUNTER * len(x.param_numels), FP32 * psi, psi)
+
+
+def deepspeed_stage0_layout(x: Layout) -> dict:
+    """DeepSpeed without ZeRO: whole 16-bit (or fp32) weights and gradients, fp32 masters in 16-bit."""
+    psi, e = x.psi, x.element_bytes
+    if x.precision == "bf16" and x.deepspeed.stage0_bf16_wrapper == "BF16_Optimizer":
+        # bf16 weights in one flat buffer padded as ZeRO-1/2 pad it, their bf16 gradients (kept
+        # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
+        # never freed); fp32 masters and one Adam state on the rank's 1/N slice
+        # (bf16_optimizer.py, 0.16).
+        p = zero_partition_layout(x.param_numels, x.world_size)[x.rank].partition_elements
+        padded = p * x.world_size
+        return retained(e * padded, e * psi + FP32 * padded, e * psi + FP32 * padded,
+                        (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, psi)
+    # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
+    masters = FP32 * psi if e == 2 else 0
+    return retained(e * psi, e * psi, 0, masters + ADAM_MOMENTS * psi + STEP_COUNTER * len(x.param_numels), 0, psi)
+
+
+def deepspeed_flat_partition_layout(x: Layout) -> dict:
+    """ZeRO-1/2: one flat group; the reduce bucket is freed by backward's end."""
+    part = zero_partition_layout(x.param_numels, x.world_size)[x.rank]
+    p, e = part.partition_elements, x.element_bytes
+    return retained(e * p * x.world_size, e * part.held_grad_elements, 0, (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
+                    0, p)
+
+
+def deepspeed_stage3_layout(x: Layout) -> dict:
+    """ZeRO-3: shards, small parameters kept whole, a persistent gradient partition and bucket."""
+    shard, e = stage3_shard_elements(x.param_numels, x.world_size), x.element_bytes
+    # Small parameters stay gathered after their first use, in a buffer of N padded shards.
+    # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
+    persistent = 0 if x.world_size == 1 else sum(math.ceil(n / x.world_size) * x.world_size for n in x.param_numels
+                                                 if n <= x.param_persistence_threshold)
+    return retained(e * (shard + persistent), e * shard, e * shard, (FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
+                    e * x.reduce_bucket_size, shard)
+
+
+def fsdp2_layout(x: Layout) -> dict:
+    """fp32 shards and gradients whatever the precision; the same after backward with or without
+    resharding after forward, which only decides when the gathered copies go."""
+    if x.param_shapes is None:
+        raise ValueError("FSDP2's layout needs the parameters' shapes (param_shapes)")
+    padded, held = fsdp2_shard_elements(x.param_shapes, x.world_size, x.rank)
+    return retained(FP32 * padded, FP32 * padded, 0, ADAM_MOMENTS * held + STEP_COUNTER * len(x.param_numels), 0, held)
