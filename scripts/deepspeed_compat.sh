@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The compatibility run behind src/zerolens/compat.py: for each DeepSpeed release given (default: the
-# newest of each supported line), a virtual environment with that DeepSpeed beside this machine's torch,
-# then the census-versus-theory tests on CPU (gloo) against this checkout's source. Writes one log per
+# The census-against-layout tests under each DeepSpeed release given (the run behind src/zerolens/compat.py).
+# For each release (default: the newest of each supported line), a virtual environment with that DeepSpeed
+# beside this machine's torch, then the census-versus-layout tests on CPU (gloo) against this checkout's source. Writes one log per
 # release and compat.json into ${OUT:-docs/results/deepspeed-compat}/.
 #     bash scripts/deepspeed_compat.sh                  # 0.16.9 0.17.6 0.18.9 0.19.8
 #     bash scripts/deepspeed_compat.sh 0.18.0 0.18.9

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs zerolens commands on a GPU machine, from the repository root, after
+# Runs zerolens commands (or pytest) on the GPU machine and packs every run folder into one tarball.
+# From the repository root, after
 # `source .whl/install.sh` (see ../shared/gpu/wheels.sh). Each argument is "name|subcommand flags",
 # e.g. "1b|bench --preset gpt-1b --strategies ddp,zero2"; its run folder is runs/<name>. Writes one
 # log (${LOG:-gpu_runs.log}) and runs.tgz (every run folder) into ${OUT:-gpu-results}/, the tarball

@@ -1,6 +1,8 @@
-"""The peak prediction's acceptance matrix (issue 14): one `zerolens verify` per (model, micro-batch,
-activation checkpointing), every strategy in each, and one table of predicted against measured peaks
-per strategy, rank and phase, with each rank's "peak as predicted" check.
+"""The peak prediction's acceptance matrix: predicted against measured peaks over models and micro-batches.
+
+One `zerolens verify` per (model, micro-batch, activation checkpointing), every strategy in each, and one
+table of predicted against measured peaks per strategy, rank and phase, with each rank's "peak as
+predicted" check (issue 14).
 
 python3 scripts/peak_matrix.py --out DIR [--presets case-study,gpt-100m,gpt-1b] [--micro-batches 4,8,16]
     [--checkpointing off,on] [--strategies ddp,zero0,...] [--steps 4] [--memory-limit-gib G]

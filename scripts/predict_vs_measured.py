@@ -1,7 +1,7 @@
 """Predicted peaks against a verify run's measured ones, per strategy, rank and phase.
 
 python3 scripts/predict_vs_measured.py RUN_FOLDER [--trace cpu|cuda]
-Reads RUN_FOLDER/config.json and summary.json, predicts again (predict_peak.py) and prints the
+Reads RUN_FOLDER/config.json and summary.json, predicts again (predict/peak.py) and prints the
 relative errors; with --trace cpu a CUDA run's step is traced on the CPU (as where no GPU is visible).
 """
 import argparse

@@ -1,5 +1,6 @@
-"""ZeRO-3's step model (strategies/deepspeed_stage3.py) against DeepSpeed ZeRO-3 itself, both traced
-on fake tensors as one rank under a fake process group, per step and phase.
+"""ZeRO-3's step model (strategies/deepspeed_stage3.py) against DeepSpeed ZeRO-3 itself, per step and phase.
+
+Both are traced on fake tensors as one rank under a fake process group.
 
 python3 scripts/zero3_against_deepspeed.py [--preset gpt-tiny] [--nproc 2] [--rank 0] [--precision bf16]
     [--micro-batch 8] [--reduce-bucket-size 5e7] [--width W] [--activation-checkpointing] [--cuda]

@@ -11,12 +11,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.device_count() >= 2:
-        return
-    skip = pytest.mark.skip(reason="needs 2 CUDA GPUs")
+    """`@pytest.mark.gpu(n)`: the test needs n CUDA GPUs (2 where n is not given), skipped with fewer."""
+    available = torch.cuda.device_count()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        needed = (marker.args or (2,))[0] if marker else 0
+        if needed > available:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}"))
 
 
 def free_port() -> int:
@@ -36,6 +37,25 @@ def run(cmd: list[str], *, timeout: float, cwd=None, env=None) -> subprocess.Com
 
 def zerolens(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "zerolens", *args], timeout=timeout, **kw)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`zerolens ARGS` run in this process, as `zerolens(...)` runs it in a new one: its exit code and
+    output. For what ends before any worker starts (a user error, estimate, plan without --check),
+    where a new process would only add its start-up. `env` is set for the call, `cwd` is entered."""
+    from zerolens.cli import main
+
+    def call(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["zerolens", *args], code, out, err)
+    return call
 
 
 @pytest.fixture

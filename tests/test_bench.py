@@ -20,6 +20,7 @@ def bench_run(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
 def test_bench_writes_json_table_and_plot(bench_run):
     result, out = bench_run
     assert result.returncode == 0, result.stdout + result.stderr
@@ -53,12 +54,12 @@ def test_bench_writes_json_table_and_plot(bench_run):
     assert len(lines) <= 30 and max(len(line) for line in lines) <= 100, result.stdout
 
 
-def test_bench_rejects_bad_flags():
-    result = zerolens("bench", "--steps", "0", timeout=60)
+def test_bench_rejects_bad_flags(cli):
+    result = cli("bench", "--steps", "0")
     assert result.returncode == 2 and "--steps" in result.stderr and "Traceback" not in result.stderr
-    result = zerolens("bench", "--ds-override", "{not json", timeout=60)
+    result = cli("bench", "--ds-override", "{not json")
     assert result.returncode == 2 and "--ds-override is not valid JSON" in result.stderr
-    result = zerolens("maxsize", "--device", "cpu", timeout=60)
+    result = cli("maxsize", "--device", "cpu")
     assert result.returncode == 2 and "maxsize needs GPUs" in result.stderr
 
 

@@ -1,6 +1,7 @@
 """zerolens's DDP census must not keep alive what DDP itself frees: the buckets it rebuilds after the
 first backward. Holding them cost 4 bytes per parameter through the second step (406.5 MiB on
 gpt-100m, 2xH200: docs/results/2xh200/issue14/ddp_bucket_hold.py)."""
+import pytest
 import torch
 from distributed import spawn
 
@@ -24,6 +25,7 @@ def bucket_lifetimes(rank, world_size):
     return seen, rebuilt
 
 
+@pytest.mark.slow
 def test_the_census_lets_go_of_the_buckets_ddp_rebuilds():
     for seen, rebuilt in spawn(bucket_lifetimes, world_size=2, timeout=240):
         assert rebuilt  # DDP did rebuild its buckets in the second forward

@@ -111,15 +111,14 @@ def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_
     ('{"train_micro_batch_size_per_gpu": 4}', "pass --micro-batch 4"),
     ('{"fp16": {"enabled": true}}', "enables fp16 but the run's precision is bf16"),
 ])
-def test_bad_config_files(tmp_path, content, message):
+def test_bad_config_files(cli, tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(content)
-    result = zerolens("verify", "--ds-config", str(path), "--out", str(tmp_path / "run"), timeout=60)
+    result = cli("verify", "--ds-config", str(path), "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
-def test_unreadable_config_file(tmp_path):
-    result = zerolens("verify", "--ds-config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "run"),
-                      timeout=60)
+def test_unreadable_config_file(cli, tmp_path):
+    result = cli("verify", "--ds-config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "cannot read it" in result.stderr

@@ -44,14 +44,14 @@ def test_user_model_is_built_on_the_meta_device(capsys):
     assert result["params"] == 3 * (4096 * 4096 + 4096)
 
 
-def test_table_output_labels_units():
-    result = zerolens("estimate", "--nproc", "2", timeout=60)
+def test_table_output_labels_units(cli):
+    result = cli("estimate", "--nproc", "2")
     assert result.returncode == 0
     assert "MiB" in result.stdout and "zero2" in result.stdout
 
 
-def test_unknown_model_path_is_a_user_error():
-    result = zerolens("estimate", "--model", "no_such_module:factory", timeout=60)
+def test_unknown_model_path_is_a_user_error(cli):
+    result = cli("estimate", "--model", "no_such_module:factory")
     assert result.returncode == 2
     assert result.stderr.strip().startswith("zerolens: cannot load no_such_module:factory")
 

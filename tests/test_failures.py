@@ -35,8 +35,8 @@ def test_out_of_memory_is_reported_with_a_suggestion(tmp_path):
             "try a smaller --micro-batch") in result.stderr
 
 
-def test_a_malformed_fault_is_a_user_error(tmp_path):
-    result = zerolens("verify", "--out", str(tmp_path / "x"), timeout=60, env={"ZEROLENS_FAULT": "rank=one"})
+def test_a_malformed_fault_is_a_user_error(cli, tmp_path):
+    result = cli("verify", "--out", str(tmp_path / "x"), env={"ZEROLENS_FAULT": "rank=one"})
     assert result.returncode == 2 and "ZEROLENS_FAULT must look like" in result.stderr
     assert not (tmp_path / "x").exists()
 

@@ -1,12 +1,14 @@
-"""On 2 GPUs: the default verify (fp16, NCCL) passes and the allocator figures are present."""
+"""On GPUs: on one, a single-rank verify and bench and every family's memory checks, and the note that says
+why verify runs on CPU processes there; on two, the default verify (fp16, NCCL) with its peak checks,
+failures over NCCL, and fresh processes after memory left behind."""
 import json
 
 import pytest
 from conftest import zerolens
 
-pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.gpu(2)
 def test_verify_on_two_gpus(tmp_path):
     out = tmp_path / "run"
     result = zerolens("verify", "--nproc", "2", "--out", str(out), timeout=600)
@@ -26,6 +28,7 @@ def test_verify_on_two_gpus(tmp_path):
     assert all(c["passed"] for c in peak_checks), [c["detail"] for c in peak_checks if not c["passed"]]
 
 
+@pytest.mark.gpu(2)
 def test_bench_on_two_gpus(tmp_path):
     out = tmp_path / "bench"
     result = zerolens("bench", "--preset", "gpt-tiny", "--strategies", "ddp,zero2", "--warmup", "1", "--steps", "3",
@@ -40,18 +43,20 @@ def test_bench_on_two_gpus(tmp_path):
     assert bench["strategies"]["zero2"]["vs_ddp"]["peak_bytes"] > 0
 
 
-def test_every_family_on_two_gpus_memory_checks(tmp_path):
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.gpu(1)), pytest.param(2, marks=pytest.mark.gpu(2))])
+def test_every_family_memory_checks(tmp_path, nproc):
     """DDP, ZeRO-2 and both FSDP2 modes on a GPT: census = prediction, allocator = census (in whole
-    blocks) + workspaces, and every peak explained."""
+    blocks) + workspaces, every peak explained and as predicted."""
     out = tmp_path / "gpt"
     zerolens("verify", "--preset", "gpt-tiny", "--strategies", "ddp,zero2,fsdp2-grad,fsdp2", "--steps", "10",
-             "--out", str(out), timeout=600)
+             "--nproc", str(nproc), "--device", "cuda", "--out", str(out), timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     memory = [c for c in summary["checks"] if not c["name"].startswith("loss ")]
     assert any(c["name"].startswith("allocator agrees") for c in memory)
     assert all(c["passed"] for c in memory), [c["detail"] for c in memory if not c["passed"]]
 
 
+@pytest.mark.gpu(2)
 def test_no_peak_holds_an_earlier_strategys_memory(tmp_path):
     """DDP first: whatever it leaves allocated after its teardown (its buckets have), the strategies
     after it start from nothing, in fresh processes when needed."""
@@ -70,6 +75,7 @@ def test_no_peak_holds_an_earlier_strategys_memory(tmp_path):
         assert any("ran in fresh worker processes" in n for n in summary["notes"])
 
 
+@pytest.mark.gpu(2)
 def test_a_hang_on_nccl_names_the_rank_that_stopped(tmp_path):
     out = tmp_path / "hang"
     result = zerolens("verify", "--steps", "6", "--timeout", "20", "--out", str(out), timeout=300,
@@ -79,6 +85,7 @@ def test_a_hang_on_nccl_names_the_rank_that_stopped(tmp_path):
     assert "rank 0 during" in result.stderr and "was waiting for it" in result.stderr
 
 
+@pytest.mark.gpu(2)
 def test_memory_left_behind_on_a_gpu_starts_the_next_strategy_afresh(tmp_path):
     """A strategy that leaves CUDA memory allocated (1 MiB, a `leak` fault on rank 0) ends its launch;
     the next starts in new processes, with what a fresh process has allocated."""
@@ -94,3 +101,30 @@ def test_memory_left_behind_on_a_gpu_starts_the_next_strategy_afresh(tmp_path):
     ddp, zero2 = (summary["strategies"][n]["ranks"] for n in ("ddp", "zero2"))
     assert [r["allocated_at_start"] for r in zero2] == [r["allocated_at_start"] for r in ddp]
     assert any("ran in fresh worker processes" in n for n in summary["notes"])
+
+
+@pytest.mark.gpu(1)
+def test_a_single_rank_verify_and_bench_on_one_gpu(tmp_path):
+    """--nproc 1 --device cuda: the default verify on one GPU passes with its peak checks, and bench runs."""
+    out = tmp_path / "n1"
+    result = zerolens("verify", "--nproc", "1", "--device", "cuda", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["world_size"] == 1
+    peak_checks = [c for c in summary["checks"] if c["name"].startswith(("peak replayed", "peak as predicted"))]
+    assert len(peak_checks) == 2 * 3 + 2 and all(c["passed"] for c in peak_checks)  # 2 strategies: 3 phases + 1
+    bench = tmp_path / "bench"
+    result = zerolens("bench", "--preset", "gpt-tiny", "--nproc", "1", "--device", "cuda", "--warmup", "1",
+                      "--steps", "3", "--out", str(bench), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert all(s["peak_bytes"] > 0 for s in json.loads((bench / "bench.json").read_text())["strategies"].values())
+
+
+@pytest.mark.gpu(1)
+def test_with_one_gpu_visible_verify_says_why_it_runs_on_cpu_processes(tmp_path):
+    out = tmp_path / "one-gpu"
+    result = zerolens("verify", "--steps", "4", "--out", str(out), timeout=600, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("zerolens: 1 GPU visible: running on 2 CPU processes, because ZeRO shards over at least 2 ranks and NCCL "
+            "needs a GPU for each; for a single-rank measurement on the GPU, add --nproc 1 --device cuda") in result.stdout
+    assert json.loads((out / "summary.json").read_text())["device"] == "cpu"

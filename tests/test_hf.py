@@ -27,9 +27,9 @@ def test_tied_weights_stay_tied_on_fake_storage():
 
 
 @pytest.mark.parametrize("model", [GPT2, LLAMA])
-def test_estimate_predicts_every_strategys_peak(model):
-    result = zerolens("estimate", "--model", model, "--seq-len", "64", "--micro-batch", "2", "--strategies", ALL,
-                      "--json", timeout=300)
+def test_estimate_predicts_every_strategys_peak(cli, model):
+    result = cli("estimate", "--model", model, "--seq-len", "64", "--micro-batch", "2", "--strategies", ALL,
+                      "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     for name, entry in out["strategies"].items():
@@ -122,8 +122,8 @@ def test_verify_predicts_llamas_peaks_where_the_fake_trace_once_missed(tmp_path)
     (["--model", GPT2, "--batch", "x:y"], "--batch is for --model module:factory"),
     (["--model", GPT2, "--seq-len", "4096"], "longer than the model's max_position_embeddings 256"),
 ])
-def test_user_errors(flags, message, tmp_path):
-    result = zerolens("verify", *flags, "--steps", "4", "--nproc", "1", "--strategies", "ddp", "--out",
-                      str(tmp_path / "run"), cwd=tmp_path, timeout=300)
+def test_user_errors(cli, flags, message, tmp_path):
+    result = cli("verify", *flags, "--steps", "4", "--nproc", "1", "--strategies", "ddp", "--out",
+                      str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

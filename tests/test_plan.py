@@ -65,9 +65,9 @@ def test_a_bigger_bucket_is_a_configuration_of_its_own():
     assert set(peaks) == {200_000, 50_000_000} and peaks[50_000_000] > peaks[200_000]
 
 
-def test_plan_command_json():
-    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "ddp,zero2",
-                      "--micro-batches", "1,4", "--no-depth", "--jobs", "1", "--json", timeout=300)
+def test_plan_command_json(cli):
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "ddp,zero2",
+                      "--micro-batches", "1,4", "--no-depth", "--jobs", "1", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["gpu_memory_bytes"] == 80 * MiB and out["world_size"] == 2 and out["precision"] == "bf16"
@@ -76,24 +76,23 @@ def test_plan_command_json():
     assert all(r["sent_per_step_bytes"] > 0 for r in out["fits"])
 
 
-def test_a_deepspeed_configs_bucket_is_the_one_planned_with():
+def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):
     """DeepSpeed uses the bucket size of the user's config, so plan does: ZeRO-2's 95 MiB default
     bucket does not fit 80 MiB, a 1000-element one does."""
     override = '{"zero_optimization": {"reduce_bucket_size": 1000}}'
-    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "zero2",
-                      "--micro-batches", "1", "--no-depth", "--jobs", "1", "--ds-override", override, "--json",
-                      timeout=300)
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "zero2",
+                      "--micro-batches", "1", "--no-depth", "--jobs", "1", "--ds-override", override, "--json")
     assert result.returncode == 0, result.stderr
     fits = json.loads(result.stdout)["fits"]
     assert fits and all(r["strategy"] == "zero2" and r["reduce_bucket_size"] == 1000 for r in fits)
-    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--reduce-bucket-sizes", "1e6,2e6",
-                      "--ds-override", override, timeout=120)
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--reduce-bucket-sizes", "1e6,2e6",
+                      "--ds-override", override)
     assert result.returncode == 2 and "sets reduce_bucket_size 1000" in result.stderr, result.stderr
 
 
-def test_plan_command_table_with_the_deepest_model():
-    result = zerolens("plan", "--preset", "gpt-tiny", "--gpu-memory", "84MiB", "--strategies", "ddp",
-                      "--micro-batches", "1", "--jobs", "1", timeout=300)
+def test_plan_command_table_with_the_deepest_model(cli):
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "84MiB", "--strategies", "ddp",
+                      "--micro-batches", "1", "--jobs", "1")
     assert result.returncode == 0, result.stderr
     assert "configurations fit" in result.stdout and "The deepest gpt-tiny (width 64)" in result.stdout
 
@@ -106,7 +105,7 @@ def test_plan_command_table_with_the_deepest_model():
     (["--gpu-memory", "8GiB", "--check"], "--check runs the candidates on 2 GPUs"),
     (["--gpu-memory", "8GiB", "--strategies", "zero4"], "unknown strategy"),
 ])
-def test_user_errors_are_one_line(flags, message, tmp_path):
-    result = zerolens("plan", "--preset", "gpt-tiny", *flags, cwd=tmp_path, timeout=120)
+def test_user_errors_are_one_line(cli, flags, message, tmp_path):
+    result = cli("plan", "--preset", "gpt-tiny", *flags, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())

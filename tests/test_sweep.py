@@ -124,7 +124,6 @@ def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
     assert "| 3 |" in text and "## Across world sizes" in text
 
 
-@pytest.mark.slow
-def test_sweep_rejects_a_bad_list():
-    result = zerolens("sweep", "--nproc-list", "0,2", timeout=60)
+def test_sweep_rejects_a_bad_list(cli):
+    result = cli("sweep", "--nproc-list", "0,2")
     assert result.returncode == 2 and "--nproc-list needs positive values" in result.stderr

@@ -61,6 +61,7 @@ def test_fsdp2_needs_no_deepspeed(monkeypatch):
     assert config.strategies == ("ddp", "fsdp2-grad", "fsdp2") and config.baseline == "ddp"
 
 
+@pytest.mark.slow
 def test_ddp_alone_needs_no_deepspeed(tmp_path):
     code = ("import sys; sys.modules['deepspeed'] = None; from zerolens.cli import main; "
             f"sys.exit(main(['verify', '--strategies', 'ddp', '--steps', '40', '--out', {str(tmp_path / 'run')!r}]))")
@@ -69,16 +70,16 @@ def test_ddp_alone_needs_no_deepspeed(tmp_path):
     assert "Verdict: PASS" in result.stdout
 
 
-def test_unwritable_run_folder(tmp_path):
+def test_unwritable_run_folder(cli, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = zerolens("verify", "--out", str(blocker / "run"), timeout=60)
+    result = cli("verify", "--out", str(blocker / "run"))
     assert result.returncode == 2 and "cannot create run folder" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_bad_timeout_and_fault_variable(tmp_path):
-    result = zerolens("verify", "--timeout", "0", "--out", str(tmp_path / "run"), timeout=60)
+def test_bad_timeout_and_fault_variable(cli, tmp_path):
+    result = cli("verify", "--timeout", "0", "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "--timeout must be positive" in result.stderr
     assert not (tmp_path / "run").exists()
 

@@ -45,8 +45,8 @@ def test_bench_a_user_model(tmp_path):
      "the model's output (16, 4) and the batch's targets (16, 6) do not fit cross-entropy"),
     (USER + ["--depth", "3"], "change a preset, not a --model"),
 ])
-def test_user_model_mistakes(tmp_path, args, message):
-    result = zerolens("verify", *args, "--out", str(tmp_path / "run"), timeout=60, env=ENV)
+def test_user_model_mistakes(cli, tmp_path, args, message):
+    result = cli("verify", *args, "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 

@@ -170,3 +170,23 @@ def test_in_fp32_ddp_deepspeed_and_fsdp2_follow_the_same_trajectory(tmp_path):
     base = summary["strategies"]["zero0"]["losses"]
     for name in ("ddp", "zero2", "fsdp2-grad", "fsdp2"):
         assert max(abs(a - b) for a, b in zip(summary["strategies"][name]["losses"], base)) < 1e-4
+
+
+def test_one_gpu_says_why_verify_runs_on_cpu_processes_and_how_to_use_the_gpu():
+    import argparse
+
+    from zerolens.run.flags import add_verify_arguments, config_from_args
+    parser = argparse.ArgumentParser()
+    add_verify_arguments(parser)
+
+    def resolved(flags, gpus):
+        return config_from_args(parser.parse_args(flags), gpus_visible=gpus, checked=True)
+    one = resolved([], 1)
+    assert (one.device, one.nproc) == ("cpu", 2)
+    assert one.device_note.startswith("1 GPU visible: running on 2 CPU processes, because ZeRO shards over at least "
+                                      "2 ranks and NCCL needs a GPU for each")
+    assert one.device_note.endswith("add --nproc 1 --device cuda")
+    # Said only where zerolens chose: no GPU, two GPUs, or a device the user gave.
+    assert resolved([], 0).device_note == resolved([], 2).device_note == resolved(["--device", "cpu"], 1).device_note == ""
+    single = resolved(["--nproc", "1", "--device", "cuda"], 1)
+    assert (single.device, single.nproc, single.device_note) == ("cuda", 1, "")

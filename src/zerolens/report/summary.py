@@ -149,7 +149,7 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                for name, s in strategies.items() if name != config.baseline]
     if metrics is not None:
         checks.append(metrics)
-    notes = [config.precision_note] if config.precision_note else []
+    notes = [note for note in (config.device_note, config.precision_note) if note]
     notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
     long, headline_notes = bucket_notes(config, strategies, sum(param_numels))
     notes += long

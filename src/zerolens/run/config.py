@@ -25,6 +25,7 @@ class RunConfig:
     baseline: str = registry.BASELINE
     nproc: int = 2
     device: str = "cpu"
+    device_note: str = ""  # why zerolens chose the CPU where a GPU is visible, if it did
     precision: str = "bf16"
     precision_note: str = ""  # why the precision differs from the case study's fp16, if it does
     steps: int = 100

@@ -183,6 +183,11 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         nproc = args.nproc if args.nproc is not None else (gpus if device == "cuda" and gpus >= 2 else 2)
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
+    device_note = ""
+    if args.device is None and gpus == 1:
+        device_note = (f"1 GPU visible: running on {nproc} CPU processes, because ZeRO shards over at least 2 ranks "
+                       "and NCCL needs a GPU for each; for a single-rank measurement on the GPU, add --nproc 1 "
+                       "--device cuda")
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""
@@ -201,7 +206,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
                                          STAGE3_PERSISTENCE_THRESHOLD)
     config = RunConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
-                       precision=precision, precision_note=note, steps=args.steps, seed=args.seed,
+                       precision=precision, precision_note=note, device_note=device_note, steps=args.steps, seed=args.seed,
                        micro_batch=micro_batch, reduce_bucket_size=reduce_bucket_size,
                        param_persistence_threshold=persistence,
                        gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,

@@ -341,8 +341,9 @@ def agree_on_run_folder(config: RunConfig, args: argparse.Namespace) -> Path:
 
 
 def print_header(config: RunConfig, out: Path) -> None:
-    if config.precision_note:
-        say(f"zerolens: {config.precision_note}")
+    for note in (config.device_note, config.precision_note):
+        if note:
+            say(f"zerolens: {note}")
     if config.job == "bench":
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps",
