@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import socket
 import subprocess
@@ -8,6 +9,20 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session):
+    """DeepSpeed builds its CPU communication op (deepspeed_shm_comm) the first time a CPU rank starts,
+    into torch's extension cache: built here once, before the test workers start ranks, so that no
+    test waits for the build (about 30 s on 2 cores) or races another for it."""
+    if hasattr(session.config, "workerinput") or importlib.util.find_spec("deepspeed") is None:
+        return  # an xdist worker: the controller built it
+    from torch.utils import cpp_extension
+    build_directory = getattr(cpp_extension, "_get_build_directory", None)  # private: where torch caches it
+    if build_directory and any(Path(build_directory("deepspeed_shm_comm", False)).glob("*.so")):
+        return
+    run([sys.executable, "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; "
+                               "ShareMemCommBuilder().load()"], timeout=600, env={"DS_ACCELERATOR": "cpu"})
 
 
 def pytest_collection_modifyitems(config, items):

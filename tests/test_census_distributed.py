@@ -1,5 +1,5 @@
 """The census of every strategy, at world sizes 1, 2 and 3, in fp32 and bf16, equals the prediction
-of theory.predict_retained byte for byte.
+of registry.predict_retained byte for byte.
 
 The model's sizes are chosen so that N does not divide the parameter count (alignment padding),
 parameters straddle partition boundaries, one parameter is above ZeRO-3's persistence
@@ -69,6 +69,7 @@ def census(request):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("census")  # one spawn per world size, shared by the tests
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_census_equals_prediction_byte_for_byte(census, name, precision):

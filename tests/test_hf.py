@@ -26,6 +26,7 @@ def test_tied_weights_stay_tied_on_fake_storage():
     assert model[1].weight is model[0].weight and len(list(model.parameters())) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [GPT2, LLAMA])
 def test_estimate_predicts_every_strategys_peak(cli, model):
     result = cli("estimate", "--model", model, "--seq-len", "64", "--micro-batch", "2", "--strategies", ALL,

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-from conftest import zerolens
 
 from zerolens.commands import plan
 from zerolens.errors import UserError
@@ -28,6 +27,7 @@ def test_a_size_it_cannot_read_is_a_user_error(text):
         plan.parse_memory(text)
 
 
+@pytest.mark.slow
 def test_what_fits_is_within_memory_and_what_does_not_is_said():
     """ZeRO-2's 50M-element bf16 bucket (95 MiB) cannot fit in 80 MiB at any micro-batch; DDP fits
     at small micro-batches, and stops being tried at the first that does not fit."""
@@ -90,6 +90,7 @@ def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):
     assert result.returncode == 2 and "sets reduce_bucket_size 1000" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_plan_command_table_with_the_deepest_model(cli):
     result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "84MiB", "--strategies", "ddp",
                       "--micro-batches", "1", "--jobs", "1")

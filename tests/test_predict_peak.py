@@ -1,4 +1,4 @@
-"""The peak prediction (predict_peak.py): pure (no memory; a fake process group only while it traces),
+"""The peak prediction (predict/peak.py): pure (no memory; a fake process group only while it traces),
 consistent with the layout theory, and equal to the CPU measurement of every phase within 1% (the
 check verify makes)."""
 import json
@@ -17,7 +17,7 @@ PREDICTED = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2-grad", "fsdp2")
 @pytest.mark.parametrize("world_size, rank", [(2, 1), (3, 2)])
 def test_what_the_step_model_keeps_after_the_step_is_the_layout_theorys(name, world_size, rank):
     """No process group and no memory: the step runs on fake tensors. What it holds after the step
-    (the workspaces aside) is byte for byte what theory.py says the rank keeps."""
+    (the workspaces aside) is byte for byte what strategies/layout.py says the rank keeps."""
     model = PRESETS["gpt-tiny"]
     settings = TrainSettings(precision="bf16", world_size=world_size, micro_batch=2)
     predicted = predict_peaks(name, model, settings, rank=rank, cuda_capability=(9, 0))
@@ -178,6 +178,7 @@ def saved_run_config(folder, **settings):
     return config
 
 
+@pytest.mark.slow
 def test_a_fresh_process_predicts_what_this_one_does(tmp_path):
     """What a training worker's rank 0 runs: the run folder's config.json in, predicted_peaks.json
     out, each FSDP2 rank traced (the last one of 3 keeps fewer rows of gpt-tiny's parameters). The

@@ -54,12 +54,12 @@ def test_files_get_the_mode_an_ordinary_write_gives(tmp_path):
         import importlib
 
         import zerolens.report.files
-        importlib.reload(zerolens.report.render)  # it reads the umask once, at import
+        importlib.reload(zerolens.report.files)  # it reads the umask once, at import
         zerolens.report.files.write_json(tmp_path / "summary.json", {"a": 1})
         (tmp_path / "plain.txt").write_text("x")
     finally:
         os.umask(old)
-        importlib.reload(zerolens.report.render)
+        importlib.reload(zerolens.report.files)
     mode = stat.S_IMODE((tmp_path / "summary.json").stat().st_mode)
     assert mode == stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == 0o644
 

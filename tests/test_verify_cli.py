@@ -18,6 +18,7 @@ def verify_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_default_verify_passes_and_prints_one_table(verify_run):
     result, out = verify_run
     assert result.returncode == 0, result.stdout + result.stderr
@@ -31,6 +32,7 @@ def test_default_verify_passes_and_prints_one_table(verify_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     _, out = verify_run
     for name in ("config.json", "env.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md",
@@ -59,6 +61,7 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_zero2_gradients_are_the_predicted_partition(verify_run):
     _, out = verify_run
     summary = json.loads((out / "summary.json").read_text())
@@ -72,6 +75,7 @@ def test_zero2_gradients_are_the_predicted_partition(verify_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
     _, out = verify_run
     summary = json.loads((out / "summary.json").read_text())
@@ -88,6 +92,7 @@ def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_existing_run_folder_is_not_overwritten(verify_run):
     _, out = verify_run
     result = zerolens("verify", "--out", str(out), timeout=60)
@@ -137,6 +142,7 @@ def test_worker_runs_unchanged_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_summary_carries_predictions_and_the_bucket_advice(verify_run):
     _, out = verify_run
     summary = json.loads((out / "summary.json").read_text())

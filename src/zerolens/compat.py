@@ -1,7 +1,7 @@
 """The releases of torch and DeepSpeed whose internals zerolens knows.
 
 The census reads buffers inside DeepSpeed's ZeRO optimizers and torch's FSDP2, the CPU peaks come
-from torch's private MemTracker, and theory.py restates their layouts. Those move between
+from torch's private MemTracker, and strategies/layout.py restates their layouts. Those move between
 releases, so a release outside these ranges is refused before anything trains, in one line that
 names the range (pyproject.toml declares the same ranges). Inside them nothing is said.
 Tested: DeepSpeed 0.16.9, 0.17.6, 0.18.9, 0.19.8 with torch 2.13 on CPU

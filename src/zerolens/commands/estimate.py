@@ -42,7 +42,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
     rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
     With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
-    (predict_peak.py) for `micro_batch` samples per rank, on CUDA (`cuda_capability`) or the CPU."""
+    (predict/peak.py) for `micro_batch` samples per rank, on CUDA (`cuda_capability`) or the CPU."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
     out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,

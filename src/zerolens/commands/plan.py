@@ -1,5 +1,5 @@
 """`zerolens plan`: which configurations fit a GPU's memory, and the deepest model each strategy can
-train there, predicted (predict_peak.py) before any GPU is used.
+train there, predicted (predict/peak.py) before any GPU is used.
 
 Pure computation (`plan`) apart from presentation (`render_plan`) and from the short benches of
 `--check` (`check_candidates`), which confirm on GPUs that the best candidates fit.

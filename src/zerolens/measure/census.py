@@ -52,7 +52,7 @@ class Holdings:
     optimizer_state: list[torch.Tensor]
     comm_buffer: list[torch.Tensor]  # reduce buckets (DeepSpeed) and gradient buckets (DDP)
     # Elements of the gradient this rank owns (its partition, padding included). Under ZeRO the
-    # buffer holding them can be larger than the partition; see theory.zero_partition_layout.
+    # buffer holding them can be larger than the partition; see layout.zero_partition_layout.
     grad_partition_elements: int
 
 

@@ -17,7 +17,7 @@ def tracker_total(tracker, kind: str) -> int:
 def reset_tracker_peak(tracker) -> None:
     if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
         raise MeasurementError("this torch's MemTracker keeps its peak elsewhere; zerolens cannot read per-phase "
-                               "CPU peaks (see measure.reset_tracker_peak)")
+                               "CPU peaks (see measure.tracker.reset_tracker_peak)")
     current = tracker.get_tracker_snapshot("current")
     tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
     tracker._peak_mem_snap = current

@@ -69,7 +69,7 @@ def phase_peaks(config, per_rank: list[dict], prediction: dict | None, earlier: 
 def bench_summary(config, gathered: list[list[dict]], params: int, device_name: str,
                   versions: dict, predicted: dict | None = None) -> dict:
     """gathered[rank][i]: rank's result for config.strategies[i]. `predicted`: the run's
-    predicted_peaks.json (predict_peak.predicted_peaks), made before training."""
+    predicted_peaks.json (predict.peak.predicted_peaks), made before training."""
     global_batch = config.micro_batch * config.nproc
     # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
     tokens_per_step = (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,

@@ -1,6 +1,6 @@
 """The verdict: each check with what was measured, what was expected and the tolerance.
 
-Expected figures come from theory (theory.py) or from the baseline run, never from constants.
+Expected figures come from theory (strategies/layout.py) or from the baseline run, never from constants.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def gradient_bytes_detail(held: int, baseline_held: int, n: int, part) -> str:
 
 
 def prediction_check(name: str, rank: dict) -> dict:
-    """Retained bytes per component equal theory.predict_retained's, byte for byte."""
+    """Retained bytes per component equal registry.predict_retained's, byte for byte."""
     predicted = rank["predicted"]
     measured = {k: rank[k] for k in predicted}
     wrong = {k: (measured[k], predicted[k]) for k in predicted if measured[k] != predicted[k]}
@@ -245,7 +245,7 @@ def metrics_complete(out, strategies: tuple[str, ...], steps: int, nproc: int) -
                  "the same global loss on every rank")
 
 
-# The peak prediction (predict_peak.py) against the measurement, per phase: on CUDA the allocator's
+# The peak prediction (predict/peak.py) against the measurement, per phase: on CUDA the allocator's
 # highest over every step, on the CPU torch's MemTracker on the last step (the step model against
 # the real backend, counted alike).
 PEAK_PREDICTION_TOLERANCE_CPU = 0.01
@@ -266,7 +266,7 @@ def peak_prediction_check(name: str, rank: dict) -> dict:
     labels), which the tracker counts or not depending on how the training loop holds them (a few
     hundred bytes that are more than 1% of a tiny model's peak), or measured above the prediction by
     at most the largest buffer a gloo collective holds (`gloo_late_free_bytes`: FSDP2's reduce-scatter
-    copies, predict_peak.gloo_reduce_scatter_copies; DeepSpeed's flat all-reduce copies): the trace
+    copies, predict.peak.gloo_reduce_scatter_copies; DeepSpeed's flat all-reduce copies): the trace
     frees each when the collective is waited on, and gloo's own thread, which holds it too, now and
     then frees it a little later, so a run's peak may catch one. CUDA: the highest peak within 3%
     of the allocator's and every phase's within 5%."""

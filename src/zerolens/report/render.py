@@ -100,7 +100,7 @@ PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimize
 
 
 def peak_prediction_section(summary: dict) -> str:
-    """Each phase's peak, predicted before training (predict_peak.py) beside measured: on CUDA the
+    """Each phase's peak, predicted before training (predict/peak.py) beside measured: on CUDA the
     highest over the steps, on the CPU the last step's (what each measures)."""
     cuda = summary["device"] == "cuda"
     rows, why_not = [], []

@@ -91,7 +91,7 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                   versions: dict, param_shapes: list[tuple[int, ...]] | None = None,
                   metrics: dict | None = None, predicted_peaks: dict | None = None) -> dict:
     """gathered[rank] is that rank's list of per-strategy results, in config.strategies order.
-    `predicted_peaks` is predict_peak.predicted_peaks of the run.
+    `predicted_peaks` is predict.peak.predicted_peaks of the run.
     FSDP2's predictions need the parameters' shapes as well as their sizes. `metrics` is the check
     of the ranks' own metrics files (checks.metrics_complete)."""
     strategies = {}

@@ -65,7 +65,7 @@ def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, worl
 def deepspeed_zero_setting(ds_config: dict, ds_override: dict, key: str, default) -> int:
     """zero_optimization.`key` (or its name without "stage3_") as the run's DeepSpeed config sets
     it, --ds-override over --ds-config, in elements; `default` where neither sets it or it is "auto".
-    What DeepSpeed will use, so that what zerolens predicts of it agrees (theory.py, predict_peak.py)."""
+    What DeepSpeed will use, so that what zerolens predicts of it agrees (strategies/layout.py, predict/peak.py)."""
     for source, where in ((ds_override, "--ds-override"), (ds_config, "--ds-config")):
         section = source.get("zero_optimization") or {}
         for name in (key, key.removeprefix("stage3_")):

@@ -8,11 +8,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from zerolens.predict.peak import predicted_peaks
 from zerolens.report import files
 from zerolens.report.tables import SCHEMA_VERSION
 from zerolens.run.config import RunConfig, save_config
 from zerolens.run.folder import default_run_folder, new_run_folder, results_path
 from zerolens.run.launch import WorkersFailed, launch_local
+from zerolens.run.prediction import PREDICTED_PEAKS
 
 USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
 
@@ -49,6 +51,11 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     bench.json; raises WorkersFailed when a rank failed."""
     out = Path(config.out)
     save_config(config, out / "config.json", command)
+    if config.predict_peaks and config.device == "cpu":
+        # A CPU run's peaks, predicted here before any worker starts: this process has no process group
+        # and no GPU to keep free, so the trace needs no fresh process (the workers make one where the run
+        # has GPUs or another launcher started them: prediction.py). They find the file and go on.
+        files.write_json(out / PREDICTED_PEAKS, predicted_peaks(config, cuda_capability=None))
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
     # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
     os.environ.setdefault("DS_ACCELERATOR", config.device)

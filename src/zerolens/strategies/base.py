@@ -94,7 +94,7 @@ class Strategy(abc.ABC):
 
     @classmethod
     def not_modelled(cls, settings: TrainSettings, **options) -> list[str]:
-        """A step model's (predict_peak.py): the run's settings it does not model, as "key: value"
+        """A step model's (predict/peak.py): the run's settings it does not model, as "key: value"
         (none by default); where there are any, the run's peak is not predicted and they are said."""
         return []
 

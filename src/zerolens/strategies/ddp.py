@@ -88,7 +88,7 @@ class TorchDDP(ScaledStrategy):
 
 class TorchDDPStepModel(TorchDDP):
     """What DDP allocates on one rank, without a process group, for the peak prediction
-    (predict_peak.py): the same model, autocast, optimizer and step; the Reducer's buckets (a flat
+    (predict/peak.py): the same model, autocast, optimizer and step; the Reducer's buckets (a flat
     copy of every gradient, made at construction and kept) as one buffer of the layout's size,
     freed and made anew in the second forward (the rebuild). The all-reduce works in place in the buckets and
     allocates nothing."""
@@ -98,7 +98,7 @@ class TorchDDPStepModel(TorchDDP):
         self.cuda = cuda
 
     def wrap(self, module, device):
-        # The gradients' dtype: fp32, as the weights under autocast (theory.torch_ddp_layout).
+        # The gradients' dtype: fp32, as the weights under autocast (layout.torch_ddp_layout).
         numel = sum(p.numel() for p in module.parameters())
         self.bucket_buffers[0] = torch.empty(numel, dtype=torch.float32, device=device)
         self.forwards = 0

@@ -237,7 +237,7 @@ class DeepSpeedZero(Strategy):
             masters = [t for group in required(optimizer, "fp32_groups") for t in group]
         elif kind == "FP16_Optimizer":  # stage 0, fp16 with FusedAdam
             masters = list(required(optimizer, "fp32_groups_flat"))
-        elif kind == "BF16_Optimizer":  # stage 0 in bf16 under DeepSpeed 0.16 (theory.DeepSpeedLayout)
+        elif kind == "BF16_Optimizer":  # stage 0 in bf16 under DeepSpeed 0.16 (layout.DeepSpeedLayout)
             masters = list(required(optimizer, "fp32_groups_flat_partition"))
             model_grads += list(required(optimizer, "fp32_groups_gradients_flat"))
         elif optimizer is self.engine.basic_optimizer:  # stage 0 in fp32: no wrapper
@@ -371,7 +371,7 @@ def torch_adamw(params, settings: TrainSettings, cuda: bool) -> torch.optim.Opti
 
 class DeepSpeedStepModel(Strategy):
     """What DeepSpeed at ZeRO stage 0, 1 or 2 allocates on one rank, without a process group, for
-    the peak prediction (predict_peak.py). Read from DeepSpeed 0.19's source:
+    the peak prediction (predict/peak.py). Read from DeepSpeed 0.19's source:
 
     - stage 0, 16-bit (FP16_UnfusedOptimizer, runtime/fp16/unfused_optimizer.py): 16-bit weights,
       an fp32 master per parameter; backward leaves 16-bit gradients and ends by all-reducing them
@@ -379,7 +379,7 @@ class DeepSpeedStepModel(Strategy):
       an fp32 copy of every gradient, clips, steps AdamW on the masters, drops the copies, writes
       the weights. fp32: the torch optimizer on the weights themselves.
     - stage 1/2 (DeepSpeedZeroOptimizer, runtime/zero/stage_1_and_2.py): 16-bit weights as views of
-      one flat buffer padded to the partition layout (theory.zero_partition_layout), an fp32 master
+      one flat buffer padded to the partition layout (layout.zero_partition_layout), an fp32 master
       of the rank's slice. At the first gradient backward allocates the reduce bucket (setup_buckets:
       reduce_bucket_size elements). Stage 2 copies each gradient into it as it is made, stage 1
       every gradient at backward's end in the parameters' order, dropping each gradient copied

@@ -1,5 +1,5 @@
 """What DeepSpeed ZeRO-3 allocates on one rank, without a process group, for the peak prediction
-(predict_peak.py): DeepSpeedStage3StepModel.
+(predict/peak.py): DeepSpeedStage3StepModel.
 
 Read from DeepSpeed 0.19.8's source (deepspeed/runtime/zero/; file and function named where each
 piece is), for the configuration zerolens writes (DeepSpeedZero.ds_config: stage 3, its

@@ -159,9 +159,9 @@ class TorchFSDP2(ScaledStrategy):
 
 
 class TorchFSDP2StepModel(TorchFSDP2):
-    """What FSDP2 allocates on one rank, for the peak prediction (predict_peak.py): FSDP2 itself,
+    """What FSDP2 allocates on one rank, for the peak prediction (predict/peak.py): FSDP2 itself,
     set up as TorchFSDP2 sets it up, on fake tensors under the fake process group the prediction
-    makes for the rank (predict_peak.fake_process_group). Its all-gather outputs, reduce-scatter
+    makes for the rank (predict.peak.fake_process_group). Its all-gather outputs, reduce-scatter
     inputs and sharded gradients are allocated, resized and freed where a real run's are; the
     collectives move no data. The step is scaled_step's without the scaler's reads."""
 

@@ -3,7 +3,7 @@
 A strategy is a backend (a Strategy subclass in ddp.py, deepspeed.py or fsdp2.py) with its options,
 plus what the rest of zerolens needs to know without running it: whether it needs DeepSpeed, which
 stage of the ZeRO paper its model states follow, whether it shards gradients, its layout prediction
-(theory.py), the buffers it keeps or allocates, and how its temporaries are recognised. Adding a strategy is a backend (or new options
+(strategies/layout.py), the buffers it keeps or allocates, and how its temporaries are recognised. Adding a strategy is a backend (or new options
 for one) and one `register` call; nothing outside this package branches on a name.
 
 Importable without torch.distributed or DeepSpeed: backends are imported when a strategy is built.
@@ -61,9 +61,9 @@ class StrategySpec:
     # files whose allocations are the backend's own (reduce buckets, gathered parameters, ...).
     transient_code: tuple[str, ...] = ()
     # "module:Class" of what its backend allocates on one rank without a process group, for the peak
-    # prediction (predict_peak.py); None where zerolens does not predict its peak yet.
+    # prediction (predict/peak.py); None where zerolens does not predict its peak yet.
     step_model: str | None = None
-    layout: Callable[[Layout], dict]  # retained bytes per component (theory.py)
+    layout: Callable[[Layout], dict]  # retained bytes per component (strategies/layout.py)
     unpadded: Unpadded
     communication: Communication | None = None  # None: not known (plan ranks it last)
 
@@ -75,7 +75,7 @@ class StrategySpec:
         return strategy
 
     def step_model_class(self):
-        """The class of the backend's step model (predict_peak.py); ValueError where there is none."""
+        """The class of the backend's step model (predict/peak.py); ValueError where there is none."""
         if self.step_model is None:
             raise ValueError(f"{self.name} has no step model")
         module, _, cls = self.step_model.partition(":")
