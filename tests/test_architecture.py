@@ -93,3 +93,19 @@ def test_each_subpackage_says_what_it_owns_and_what_it_may_import():
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
         assert "import" in doc and len(doc.splitlines()) <= 4, \
             f"{package.name}/__init__.py: say in a few lines what it owns and what it may import"
+
+
+def test_the_public_functions_are_importable_from_zerolens():
+    import subprocess
+    import sys
+
+    from zerolens import estimate, predict_peaks, predict_retained
+    from zerolens.commands.estimate import estimate as estimate_in_its_module
+    assert estimate is estimate_in_its_module and callable(predict_peaks) and callable(predict_retained)
+    result = estimate(strategies=("zero2",), world_size=4, precision="fp16", reduce_bucket_size=50_000_000,
+                      params=1e9)
+    assert result["strategies"]["zero2"]["deepspeed_estimator_bytes"] == 2e9 + 18e9 / 4
+    # `import zerolens` alone loads none of them, nor torch.
+    loaded = subprocess.run([sys.executable, "-c", "import sys, zerolens; print('torch' in sys.modules)"],
+                            capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "False", loaded.stderr

@@ -6,6 +6,8 @@ import json
 import pytest
 from conftest import zerolens
 
+# One GPU test at a time, whatever pytest-xdist does with the rest: they share the GPUs.
+pytestmark = pytest.mark.xdist_group("gpu")
 
 
 @pytest.mark.gpu(2)
@@ -126,6 +128,7 @@ def test_with_one_gpu_visible_verify_says_why_it_runs_on_cpu_processes(tmp_path)
     result = zerolens("verify", "--steps", "4", "--out", str(out), timeout=600, env={"CUDA_VISIBLE_DEVICES": "0"})
     assert result.returncode == 0, result.stdout + result.stderr
     said = " ".join(result.stdout.split())  # the terminal folds lines at 100 columns
-    assert ("zerolens: 1 GPU visible: running on 2 CPU processes, because ZeRO shards over at least 2 ranks and NCCL "
-            "needs a GPU for each; for a single-rank measurement on the GPU, add --nproc 1 --device cuda") in said
+    assert ("zerolens: 1 GPU visible: running on CPU processes (gloo), because without --device zerolens takes GPUs "
+            "only when there are 2 or more (ZeRO shards over at least 2 ranks, and NCCL needs a GPU for each); for a "
+            "single-rank measurement on the GPU, add --nproc 1 --device cuda") in said
     assert json.loads((out / "summary.json").read_text())["device"] == "cpu"

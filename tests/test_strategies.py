@@ -1,4 +1,7 @@
-"""How FSDP2 finds the blocks it shards one group at a time (no process group needed)."""
+"""How FSDP2 finds the blocks it shards one group at a time (no process group needed), and what ZeRO-3
+leaves behind at its teardown."""
+import pytest
+from distributed import spawn
 from torch import nn
 
 from zerolens.models.model import PRESETS, ModelConfig, build_model
@@ -22,3 +25,23 @@ def test_only_the_outermost_lists_count_and_blocks_without_parameters_are_left_o
     model.layers = nn.ModuleList([Experts(), nn.ReLU(), Experts()])
     assert repeated_blocks(model) == [model.layers[0], model.layers[2]]
     assert repeated_blocks(nn.Linear(4, 4)) == []
+
+
+def zero3_and_torchs_linear(rank, world_size):
+    """(DeepSpeed's ZeRO-3 replaced torch.nn.functional.linear, torch's is back after the teardown)."""
+    import torch
+
+    from zerolens.models.model import ModelConfig, build_model
+    from zerolens.strategies import TrainSettings, make_strategy
+    linear = torch.nn.functional.linear
+    strategy = make_strategy("zero3", TrainSettings(precision="fp32", world_size=world_size, micro_batch=2))
+    strategy.setup(build_model(ModelConfig(), seed=0), torch.device("cpu"))
+    replaced = torch.nn.functional.linear is not linear
+    strategy.teardown()
+    return replaced, torch.nn.functional.linear is linear
+
+
+@pytest.mark.slow
+def test_zero3_puts_torchs_linear_back_at_its_teardown():
+    """So the strategies after it run in the same processes, not in a second launch."""
+    assert spawn(zero3_and_torchs_linear, world_size=1, timeout=180) == [(True, True)]

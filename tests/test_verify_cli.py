@@ -189,8 +189,8 @@ def test_one_gpu_says_why_verify_runs_on_cpu_processes_and_how_to_use_the_gpu():
         return config_from_args(parser.parse_args(flags), gpus_visible=gpus, checked=True)
     one = resolved([], 1)
     assert (one.device, one.nproc) == ("cpu", 2)
-    assert one.device_note.startswith("1 GPU visible: running on 2 CPU processes, because ZeRO shards over at least "
-                                      "2 ranks and NCCL needs a GPU for each")
+    assert one.device_note.startswith("1 GPU visible: running on CPU processes (gloo), because without --device "
+                                      "zerolens takes GPUs only when there are 2 or more")
     assert one.device_note.endswith("add --nproc 1 --device cuda")
     # Said only where zerolens chose: no GPU, two GPUs, or a device the user gave.
     assert resolved([], 0).device_note == resolved([], 2).device_note == resolved(["--device", "cpu"], 1).device_note == ""

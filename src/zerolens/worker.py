@@ -1,7 +1,5 @@
 """`python -m zerolens.worker`: one rank of a run, under torchrun, deepspeed or SLURM (zerolens.run.worker)."""
-import sys
-
-from zerolens.run.worker import main
+from zerolens.run.worker import run_as_script
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_script()

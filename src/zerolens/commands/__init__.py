@@ -1,2 +1,2 @@
-"""commands: one module per verb's computation (estimate, plan, sweep, maxsize); the CLI (cli.py) parses
-and calls them. May import everything below: run/, report/, predict/, strategies/, measure/, models/."""
+"""commands: one module per verb (verify, bench, maxsize, sweep, estimate, plan): its arguments, its command
+function, and the computation that is the verb's own. May import run/, report/, predict/ and everything below."""

@@ -24,6 +24,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=command, job="bench", steps=10, strategies=",".join(registry.BENCH_DEFAULT),
                    preset="gpt-100m")
 
+
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.baseline is not None:
         raise UserError(f"bench compares every strategy with {registry.BENCH_REFERENCE}; --baseline is for verify")

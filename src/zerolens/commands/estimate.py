@@ -194,6 +194,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     p.set_defaults(func=command, compile=False)
 
+
 def estimate_model(args: argparse.Namespace):
     """The model whose step estimate traces for the peaks: a preset (with --seq-len or
     --activation-checkpointing), a Hugging Face model (--model hf:...), or --model with --batch;
@@ -201,6 +202,7 @@ def estimate_model(args: argparse.Namespace):
     if args.params is not None or (args.model and not args.batch and not args.model.startswith("hf:")):
         return None
     return model_from_args(args)
+
 
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     strategies = parse_strategies(args.strategies)

@@ -194,6 +194,7 @@ def add_parser(subparsers) -> None:
     add_bench_arguments(p)
     p.set_defaults(func=command, job="bench", strategies=",".join(registry.BENCH_DEFAULT), preset="gpt-1b")
 
+
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.model:
         raise UserError("maxsize searches the depth of a preset; --model is for verify, bench and sweep")

@@ -366,6 +366,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
     p.set_defaults(func=command, device="cuda", strategies=",".join(registry.names()), preset="gpt-1b")
 
+
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.device != "cuda":
         raise UserError("plan predicts what fits on GPUs (--device cuda); on the CPU nothing runs out of memory")
@@ -375,7 +376,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("--top and --jobs must be at least 1, --check at least 0")
     gpus = visible_gpus() if args.check else None
     config = config_from_args(args, gpus_visible=gpus if args.check else 0, checked=True)
-    # A DeepSpeed config of the user's own that sets reduce_bucket_size decides it (config.py,
+    # A DeepSpeed config of the user's own that sets reduce_bucket_size decides it (run/deepspeed_config.py,
     # deepspeed_zero_setting): the grid has that one size.
     ds_bucket = deepspeed_zero_setting(config.ds_config, config.ds_override, "reduce_bucket_size", 0) or None
     if ds_bucket and args.reduce_bucket_sizes:

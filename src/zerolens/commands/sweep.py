@@ -288,6 +288,7 @@ def add_parser(subparsers) -> None:
                    help="comma-separated DeepSpeed reduce_bucket_size values (default: --reduce-bucket-size)")
     p.set_defaults(func=command)
 
+
 def int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(float(v)) for v in text.split(",") if v.strip()]
@@ -296,6 +297,7 @@ def int_list(text: str, flag: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise UserError(f"{flag} needs positive values, got {text!r}")
     return values
+
 
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc is not None:

@@ -19,6 +19,7 @@ def add_parser(subparsers) -> None:
     add_verify_arguments(p)
     p.set_defaults(func=command)
 
+
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     config = config_from_args(args)
     summary = run_in_new_folder(config, command=shlex.join(["zerolens", *argv]), overwrite=args.overwrite)

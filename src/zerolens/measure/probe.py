@@ -31,7 +31,7 @@ class MemoryProbe:
     allocations with torch's MemTracker for per-phase peaks (CPU has no allocator to ask).
     `backend_code`: the strategy's registry `transient_code`, which names its temporaries."""
 
-    def __init__(self, device: torch.device, earlier_left: int = 0, backend_code: tuple[str, ...] = ()):
+    def __init__(self, device: torch.device, *, backend_code: tuple[str, ...], earlier_left: int = 0):
         self.allocator = AllocatorReadings(device) if device.type == "cuda" else None
         # Bytes the strategies before this one in the same processes left allocated (only under a
         # launcher other than zerolens's: worker.run_strategies); then traced to who allocated them.

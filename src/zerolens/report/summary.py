@@ -169,8 +169,6 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
     }
 
 
-
-
 def leftover_notes(config, strategies: dict, gathered: list[list[dict]]) -> list[str]:
     """What a strategy left allocated after its teardown, and what zerolens did about it."""
     notes = []

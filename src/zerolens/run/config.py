@@ -114,11 +114,13 @@ class RunConfig:
                              gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
                              user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose)
 
+
 def save_config(config: RunConfig, path: Path, command: str) -> None:
     """config.json: the command, every setting, and each backend's own settings (DeepSpeed configs)."""
     settings = config.train_settings()
     write_json(path, {"command": command, **config.to_json(),
                       "strategy_settings": {n: registry.make_strategy(n, settings).describe() for n in config.strategies}})
+
 
 def load_config(path: str) -> RunConfig:
     """A worker's config, from the config.json that zerolens wrote."""

@@ -25,6 +25,7 @@ def ds_config_from_file(path: str | None) -> dict:
         raise UserError(f"--ds-config {path} must hold a JSON object")
     return value
 
+
 def ds_override_from_json(text: str | None) -> dict:
     if text is None:
         return {}
@@ -35,6 +36,7 @@ def ds_override_from_json(text: str | None) -> dict:
     if not isinstance(value, dict):
         raise UserError(f"--ds-override must be a JSON object, got {text}")
     return value
+
 
 def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, world_size: int, precision: str) -> None:
     """The batch arithmetic and precision of a user's DeepSpeed config must agree with the run's:
@@ -61,6 +63,7 @@ def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, worl
         if enabled is True and precision != dtype:
             raise UserError(f"--ds-config {path} enables {dtype} but the run's precision is {precision}: "
                             f"pass --precision {dtype} or set \"enabled\" to \"auto\"")
+
 
 def deepspeed_zero_setting(ds_config: dict, ds_override: dict, key: str, default) -> int:
     """zero_optimization.`key` (or its name without "stage3_") as the run's DeepSpeed config sets

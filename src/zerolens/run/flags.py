@@ -31,6 +31,7 @@ PRESET_LR = {"case-study": 1e-4, "case-study-130m": 1e-5, "gpt-tiny": 1e-3, "gpt
 PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-tiny": "bf16", "gpt-100m": "bf16",
                         "gpt-350m": "bf16", "gpt-1b": "bf16"}
 
+
 def parse_strategies(text: str) -> tuple[str, ...]:
     """`--strategies` as a tuple of known names."""
     strategies = tuple(s.strip() for s in text.split(",") if s.strip())
@@ -40,6 +41,7 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     if unknown:
         raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(registry.names())}")
     return strategies
+
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=",".join(registry.VERIFY_DEFAULT),
@@ -97,6 +99,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "a rank that stopped answering is named)")
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
 
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 3)")
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -104,6 +107,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the datasheet figure for H100/H200/A100; none elsewhere)")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
                         help="CUDA: cap the memory each rank's allocator may use, as on a smaller GPU")
+
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
@@ -131,6 +135,7 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     except ValueError as e:
         raise UserError(f"--preset {args.preset}: {e}") from None
 
+
 def hf_model_from_args(args: argparse.Namespace) -> ModelConfig:
     """--model hf:<model type or config.json>, with --depth, --seq-len and --activation-checkpointing."""
     if args.batch:
@@ -149,6 +154,7 @@ def hf_model_from_args(args: argparse.Namespace) -> ModelConfig:
     except ValueError as e:
         raise UserError(f"--model {args.model}: {e}") from None
 
+
 def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
     """--model module:factory with --batch module:function (check_config runs them)."""
     if not args.batch:
@@ -159,6 +165,7 @@ def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
                         "not a --model")
     return ModelConfig(kind="user", factory=args.model, batch=args.batch)
 
+
 def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
     """Samples per rank per step: --global-batch over the ranks, else --micro-batch."""
     if args.global_batch is None:
@@ -168,6 +175,7 @@ def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
     if args.global_batch % nproc:
         raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
     return args.global_batch // nproc
+
 
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                      gpus_visible: int | None = None, checked: bool = False) -> RunConfig:
@@ -185,9 +193,10 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     device_note = ""
     if args.device is None and gpus == 1:
-        device_note = (f"1 GPU visible: running on {nproc} CPU processes, because ZeRO shards over at least 2 ranks "
-                       "and NCCL needs a GPU for each; for a single-rank measurement on the GPU, add --nproc 1 "
-                       "--device cuda")
+        # Said without a rank count: sweep's points share it, each with its own.
+        device_note = ("1 GPU visible: running on CPU processes (gloo), because without --device zerolens takes "
+                       "GPUs only when there are 2 or more (ZeRO shards over at least 2 ranks, and NCCL needs a GPU "
+                       "for each); for a single-rank measurement on the GPU, add --nproc 1 --device cuda")
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
         # A CPU run's peaks, predicted here before any worker starts: this process has no process group
         # and no GPU to keep free, so the trace needs no fresh process (the workers make one where the run
         # has GPUs or another launcher started them: prediction.py). They find the file and go on.
-        files.write_json(out / PREDICTED_PEAKS, predicted_peaks(config, cuda_capability=None))
+        files.write_json(out / PREDICTED_PEAKS, cpu_prediction(config))
     # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
     # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
     os.environ.setdefault("DS_ACCELERATOR", config.device)
@@ -74,3 +75,13 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
             raise WorkersFailed(f"the workers ended without results for {left} strategies")
         remaining = left
     return json.loads((out / ("bench.json" if config.job == "bench" else "summary.json")).read_text())
+
+
+def cpu_prediction(config: RunConfig) -> dict:
+    """predicted_peaks of a CPU run, or for each strategy why not: a prediction that fails leaves the
+    reason and the traceback, and the run goes on, as a failed fresh process does (prediction.py)."""
+    try:
+        return predicted_peaks(config, cuda_capability=None)
+    except Exception as e:
+        why = f"the prediction failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+        return {name: {"why_not": why, "traceback": traceback.format_exc()} for name in config.strategies}

@@ -60,6 +60,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
 
+
 def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> None:
     """What zerolens needs of a user's model and batch function (README, "Your own model"): a batch
     of `global_batch` rows (inputs, integer targets), and logits as one tensor that cross-entropy
@@ -105,6 +106,7 @@ def check_deepspeed_configs(config: RunConfig) -> None:
         validate_deepspeed_configs(config, DeepSpeedConfig)
     finally:
         logger.setLevel(level)
+
 
 def validate_deepspeed_configs(config: RunConfig, DeepSpeedConfig) -> None:
     settings = config.train_settings()

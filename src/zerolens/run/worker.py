@@ -192,7 +192,7 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
     strategy = make_strategy(name, config.train_settings())
     bench = config.job == "bench"
     probe = (StepTimer(device, config.warmup_steps) if bench
-             else MemoryProbe(device, earlier_left, backend_code=registry.spec(name).transient_code))
+             else MemoryProbe(device, backend_code=registry.spec(name).transient_code, earlier_left=earlier_left))
     batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
                            rank=dist.get_rank(), world_size=dist.get_world_size())
     run = train(strategy, model_config=config.model, seed=config.seed, batches=batches, device=device, phase=phase,
@@ -219,9 +219,9 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
     on 2xH200; measured after the gather below, they are gone): with `stop_on_leftover` this launch
     then ends, and `zerolens` starts fresh processes for the rest. So it does after a strategy that
     left torch.nn.functional.linear replaced: DeepSpeed's ZeRO-3 puts its own in, which saves other
-    tensors for backward, and leaves it ("This will persist unless manually reset", 0.19); FSDP2
-    after it in the same processes peaked 1.5% lower in forward on the case study (CPU). Returns True
-    when every strategy has results."""
+    tensors for backward (FSDP2 after it in the same processes peaked 1.5% lower in forward on the
+    case study, CPU); zerolens's ZeRO-3 puts torch's back at its teardown, and this guards against
+    any other that does not. Returns True when every strategy has results."""
     linear = torch.nn.functional.linear
     rank = dist.get_rank()
     todo = [[n for n in config.strategies if not results_path(out, n).exists()] if rank == 0 else None]
@@ -432,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_as_script() -> None:
+    """`python -m zerolens.worker` (and `-m zerolens.run.worker`): main, then out of the process."""
     try:
         code = main()
     except RankFailure:
@@ -446,3 +447,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run_as_script()

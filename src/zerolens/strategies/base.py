@@ -36,7 +36,7 @@ class TrainSettings:
     # foreach, is what the verify results were measured with.
     fused_adam: bool = False
     # A user's DeepSpeed config (--ds-config), used instead of the generated one, its "auto" values
-    # filled from the generated one; checked against these settings in config.py.
+    # filled from the generated one; checked against these settings in run/deepspeed_config.py.
     user_ds_config: dict = field(default_factory=dict)
     # Merged into the DeepSpeed config last (e.g. {"zero_optimization": {"overlap_comm": true}}).
     ds_override: dict = field(default_factory=dict)

@@ -136,6 +136,7 @@ class DeepSpeedZero(Strategy):
         import deepspeed
         self.device = device
         self.module = model
+        self.torch_linear = torch.nn.functional.linear  # ZeRO-3 replaces it (teardown)
         quiet = contextlib.nullcontext() if self.settings.verbose else contextlib.redirect_stdout(io.StringIO())
         with quiet:
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -251,6 +252,10 @@ class DeepSpeedZero(Strategy):
     def teardown(self):
         self.engine.destroy()
         del self.engine, self.module
+        # ZeRO-3 puts DeepSpeed's own torch.nn.functional.linear in place and leaves it there ("This will
+        # persist unless manually reset", partition_parameters.py, 0.19), which saves other tensors for
+        # backward: torch's goes back, so that a strategy after this one runs torch's in the same processes.
+        torch.nn.functional.linear = self.torch_linear
 
     def describe(self):
         return {"backend": "deepspeed", "ds_config": self.ds_config()}

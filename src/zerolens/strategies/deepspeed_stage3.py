@@ -391,7 +391,7 @@ class DeepSpeedStage3StepModel(Strategy):
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, stage: int):
         if stage != 3:
             raise ValueError(f"DeepSpeedStage3StepModel models ZeRO-3, not ZeRO-{stage}")
-        # DeepSpeed says at import which accelerator it found, on stdout: quiet, as config.py's
+        # DeepSpeed says at import which accelerator it found, on stdout: quiet, as run/validate.py's
         # check_deepspeed_configs imports it.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
