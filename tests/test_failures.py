@@ -42,7 +42,7 @@ def test_a_malformed_fault_is_a_user_error(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_same_seed_same_losses_and_no_overwrite(tmp_path):
+def test_same_seed_same_losses_and_no_overwrite(tmp_path, cli):
     runs = []
     for name in ("a", "b"):
         result = zerolens("verify", "--strategies", "zero2", "--steps", "4", "--seed", "3",
@@ -51,12 +51,12 @@ def test_same_seed_same_losses_and_no_overwrite(tmp_path):
         runs.append(json.loads((tmp_path / name / "summary.json").read_text()))
     assert runs[0]["strategies"]["zero2"]["losses"] == runs[1]["strategies"]["zero2"]["losses"]
     # An existing run folder is kept unless --overwrite says otherwise.
-    again = zerolens("verify", "--steps", "4", "--out", str(tmp_path / "a"), timeout=60)
+    again = cli("verify", "--steps", "4", "--out", str(tmp_path / "a"))
     assert again.returncode == 2 and "--overwrite" in again.stderr
     assert json.loads((tmp_path / "a" / "summary.json").read_text()) == runs[0]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("not a run")
-    refused = zerolens("verify", "--overwrite", "--out", str(tmp_path / "mine"), timeout=60)
+    refused = cli("verify", "--overwrite", "--out", str(tmp_path / "mine"))
     assert refused.returncode == 2 and "was not created by zerolens" in refused.stderr
     assert (tmp_path / "mine" / "notes.txt").exists()
 

@@ -93,9 +93,9 @@ def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
-def test_existing_run_folder_is_not_overwritten(verify_run):
+def test_existing_run_folder_is_not_overwritten(verify_run, cli):
     _, out = verify_run
-    result = zerolens("verify", "--out", str(out), timeout=60)
+    result = cli("verify", "--out", str(out))
     assert result.returncode == 2
     assert "already exists" in result.stderr
 
