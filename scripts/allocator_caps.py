@@ -1,10 +1,13 @@
 """The allocator model's smallest cap for recorded runs, against the real allocator under that cap and 2 MiB less.
 
-python3 scripts/allocator_caps.py RECORDING.json.gz [...] > caps.json
+python3 scripts/allocator_caps.py RECORDING.json.gz [...] [--bisect STEPS] > caps.json
 For each recording of scripts/record_allocator.py: the smallest cap the model predicts for its
 requests (predict/allocator.py, smallest_cap), then the same run again on this GPU under that cap
-(which must run) and under 2 MiB less (which must run out of memory). Prints one JSON object.
+(which should run) and under 2 MiB less (which should run out of memory). With --bisect, where the
+predicted cap ran out of memory, STEPS bisections of the real smallest cap between it and the
+recorded run's reserved peak (which is checked to run). Prints one JSON object.
 """
+import argparse
 import gzip
 import json
 import subprocess
@@ -12,18 +15,35 @@ import sys
 
 from zerolens.predict.allocator import SMALL_BUFFER, requests_of_recording, smallest_cap
 
+parser = argparse.ArgumentParser()
+parser.add_argument("recordings", nargs="+")
+parser.add_argument("--bisect", type=int, default=0)
+args = parser.parse_args()
 out = {}
-for path in sys.argv[1:]:
+for path in args.recordings:
     with gzip.open(path, "rt") as f:
         record = json.load(f)
-    cap = smallest_cap(requests_of_recording(record))
     command = [sys.executable, "scripts/record_allocator.py", "--model", record["model"], "--micro-batch",
                str(record["micro_batch"]), "--steps", str(record["steps"]), "--precision", record["precision"]]
-    runs = {}
-    for name, trial in (("at_cap", cap), ("below_cap", cap - SMALL_BUFFER)):
-        result = subprocess.run([*command, "--cap", str(trial)], capture_output=True, text=True)
-        runs[name] = {"cap_bytes": trial, "exit_code": result.returncode, "said": result.stdout.strip()[-300:]}
-    out[path] = {"model": record["model"], "allocated_peak_bytes": record["max_memory_allocated"],
-                 "reserved_peak_bytes": record["max_memory_reserved"], "predicted_smallest_cap_bytes": cap,
-                 **runs, "as_predicted": runs["at_cap"]["exit_code"] == 0 and runs["below_cap"]["exit_code"] == 3}
+
+    def runs_under(cap: int) -> bool:
+        result = subprocess.run([*command, "--cap", str(cap)], capture_output=True, text=True)
+        assert result.returncode in (0, 3), result.stdout + result.stderr
+        return result.returncode == 0
+
+    cap = smallest_cap(requests_of_recording(record))
+    entry = {"model": record["model"], "allocated_peak_bytes": record["max_memory_allocated"],
+             "reserved_peak_bytes": record["max_memory_reserved"], "predicted_smallest_cap_bytes": cap,
+             "runs_at_cap": runs_under(cap), "runs_2_MiB_below": runs_under(cap - SMALL_BUFFER)}
+    entry["as_predicted"] = entry["runs_at_cap"] and not entry["runs_2_MiB_below"]
+    if args.bisect and not entry["runs_at_cap"]:
+        low, high = cap, record["max_memory_reserved"]
+        entry["runs_at_reserved_peak"] = runs_under(high)
+        for _ in range(args.bisect if entry["runs_at_reserved_peak"] else 0):
+            middle = (low + high) // 2 // SMALL_BUFFER * SMALL_BUFFER
+            if middle <= low:
+                break
+            low, high = (low, middle) if runs_under(middle) else (middle, high)
+        entry["real_smallest_cap_above_and_at_most"] = [low, high]
+    out[path] = entry
 print(json.dumps(out, indent=2))
