@@ -26,10 +26,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu(n)`: the test needs n CUDA GPUs (2 where n is not given), skipped with fewer.
-    The slow tests go first (in their order), so that pytest-xdist's workers end on short ones together
-    rather than one waiting for the other's last long run."""
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    """`@pytest.mark.gpu(n)`: the test needs n CUDA GPUs (2 where n is not given), skipped with fewer."""
     available = torch.cuda.device_count()
     for item in items:
         marker = item.get_closest_marker("gpu")
