@@ -128,3 +128,15 @@ def test_peak_flags_that_cannot_work_are_user_errors(argv, message, capsys):
     assert main(["estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_where_the_peaks_were_traced_is_said(capsys):
+    """A CUDA target traced without a GPU is traced on the CPU: the JSON and the table say so."""
+    import torch
+    result = run_json(capsys, "--preset", "case-study", "--strategies", "zero2", "--device", "cuda")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert result["traced_on"] == expected and result["device"] == "cuda"
+    assert main(["estimate", "--preset", "case-study", "--strategies", "zero2"]) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    assert ("traced on the CPU as no GPU is visible" in table) == (expected == "cpu")
+    assert run_json(capsys, "--params", "1e9", "--strategies", "zero2")["traced_on"] is None  # nothing traced

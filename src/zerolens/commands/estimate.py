@@ -14,7 +14,7 @@ from torch import nn
 from zerolens.errors import UserError
 from zerolens.models.model import PRESETS, load_user_function, parameter_shapes
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
-from zerolens.predict.peak import predict_or_why_not, target_capability
+from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device
 from zerolens.report.tables import say
 from zerolens.run.flags import (
     PRESET_GPU_PRECISION,
@@ -76,7 +76,9 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                 cuda_capability)
         out["strategies"][name] = entry
     out |= {"micro_batch": micro_batch, "device": "cpu" if cuda_capability is None else "cuda",
-            "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability))}
+            "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability)),
+            # Where the peaks were traced: a CUDA target on fake CUDA tensors where a GPU is visible, else on the CPU.
+            "traced_on": trace_device(cuda_capability).type if model_config is not None else None}
     return out
 
 
@@ -144,7 +146,8 @@ def render_estimate(result: dict) -> list:
              in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
              in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
     where = ("on the CPU" if result["device"] == "cpu" else
-             f"on CUDA (compute capability {result['cuda_capability']}'s cuBLAS workspaces included)")
+             f"on CUDA (compute capability {result['cuda_capability']}'s cuBLAS workspaces included)"
+             + trace_caveat(result["traced_on"]))
     not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
     return lines + [
         f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from zerolens.errors import UserError
 from zerolens.models.model import CHECKPOINTABLE_KINDS, parameter_shapes
-from zerolens.predict.peak import target_capability
+from zerolens.predict.peak import target_capability, trace_caveat, trace_device
 from zerolens.report.files import write_json
 from zerolens.report.tables import say
 from zerolens.run.config import RunConfig
@@ -186,7 +186,8 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     rows.sort(key=cost_key)
     return {"model": config.preset, "params": params, "width": config.model.d_model, "world_size": config.nproc,
             "precision": config.precision, "gpu_memory_bytes": memory,
-            "cuda_capability": ".".join(map(str, cuda_capability)), "micro_batches": sorted(micro_batches),
+            "cuda_capability": ".".join(map(str, cuda_capability)), "traced_on": trace_device(cuda_capability).type,
+            "micro_batches": sorted(micro_batches),
             "reduce_bucket_sizes": reduce_bucket_sizes, "fits": rows,
             "does_not_fit": sorted(too_large, key=lambda r: (r["strategy"], r["checkpointing"])),
             "not_predicted": not_predicted,
@@ -244,7 +245,8 @@ def render_plan(result: dict, top: int) -> list:
         lines += [f"{len(fits)} configurations fit" + (f"; the {top} cheapest" if len(fits) > top else "") +
                   ": without recomputation (ckpt: activation checkpointing) first, then by the bytes each rank "
                   "sends per sample (ring all-reduce, all-gather and reduce-scatter volumes), then by the peak. "
-                  "Peak: the highest rank's, predicted on fake tensors. Tight: headroom under "
+                  f"Peak: the highest rank's, predicted on fake tensors{trace_caveat(result['traced_on'])}. "
+                  "Tight: headroom under "
                   f"{TIGHT_HEADROOM:.0%} of the memory, which fragmentation may take (--check tries it).",
                   terminal_table(["strategy", "micro-batch", "ckpt", "bucket", f"peak {label}", f"headroom {label}",
                                   "rank", f"sent/step {sent_label}", "sent/sample MiB"], rows,

@@ -193,6 +193,14 @@ def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
     return torch.device("cpu")
 
 
+def trace_caveat(traced_on: str | None) -> str:
+    """What a CUDA target's table says where its peaks were traced on the CPU."""
+    if traced_on != "cpu":
+        return ""
+    return (", traced on the CPU as no GPU is visible: the CPU's autocast and attention kernels can allocate "
+            "otherwise than a GPU's")
+
+
 def not_predicted_yet(name: str) -> str:
     return f"zerolens does not predict {name}'s peak yet"
 
