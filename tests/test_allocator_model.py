@@ -109,3 +109,17 @@ def test_the_smallest_cap_runs_and_one_granule_less_does_not(name):
     run_requests(requests, cap=cap)
     with pytest.raises(OutOfMemory):
         run_requests(requests, cap=cap - SMALL_BUFFER)
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_for_large_requests():
+    a = CachingAllocator(max_split_size=200 * MiB)
+    big = a.malloc(300 * MiB)
+    a.free(big)  # cached: a 300 MiB segment, one free block
+    small = a.malloc(50 * MiB)  # below max_split_size: no oversize block for it, a segment of its own
+    assert small.segment is not big.segment and a.reserved == 350 * MiB
+    close = a.malloc(290 * MiB)  # oversize, and within 20 MiB of the cached block: takes it whole, unsplit
+    assert close.segment is big.segment and close.size == 300 * MiB
+    a.free(close)
+    a.free(small)
+    far = a.malloc(210 * MiB)  # 90 MiB short of the cached block is too far (kLargeBuffer): a new segment
+    assert far.segment is not big.segment and far.segment.size == 210 * MiB
