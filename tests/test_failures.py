@@ -105,10 +105,10 @@ def test_the_watchdog_ends_its_own_children_without_any_heartbeat(tmp_path):
     import subprocess
     import sys
 
-    from zerolens.run.launch import HangWatchdog, child_pids
+    from zerolens.run.launch import HangWatchdog, rank_pids
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        assert child.pid in child_pids()
+        assert child.pid in rank_pids()
         watchdog = HangWatchdog(tmp_path, nproc=2, timeout=1)
         watchdog.start()
         assert child.wait(timeout=30) != 0  # killed

@@ -16,6 +16,8 @@ from zerolens.run.config import RunConfig, save_config
 from zerolens.run.folder import default_run_folder, new_run_folder, results_path
 from zerolens.run.launch import WorkersFailed, launch_local
 from zerolens.run.prediction import PREDICTED_PEAKS
+from zerolens.run.worker import launched_rank
+from zerolens.strategies import registry
 
 USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
 
@@ -68,8 +70,9 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     # strategies after it get fresh processes, so that it is in none of their peaks.
     remaining = len(config.strategies)
     while remaining:
-        launch_local(config.nproc, worker_args, verbose=config.verbose, logs=out / "logs", timeout=config.timeout,
-                     backend="nccl" if config.device == "cuda" else "gloo")
+        launch_local(config.nproc, launched_rank, worker_args, verbose=config.verbose, logs=out / "logs",
+                     timeout=config.timeout, backend="nccl" if config.device == "cuda" else "gloo",
+                     preload=("deepspeed",) if registry.needing_deepspeed(config.strategies) else ())
         left = sum(not results_path(out, name).exists() for name in config.strategies)
         if left >= remaining:  # a launch that ended cleanly must have finished at least one
             raise WorkersFailed(f"the workers ended without results for {left} strategies")

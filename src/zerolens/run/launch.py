@@ -1,5 +1,10 @@
 """Starting N local workers through torch's own elastic launcher (what torchrun uses).
 
+CPU ranks are forked from a server process that has imported torch, DeepSpeed and zerolens once
+(multiprocessing's forkserver): those imports take about 4 s of CPU per process, most of a short
+CPU run's cost. CUDA ranks are spawned afresh: importing DeepSpeed asks the driver for its GPUs,
+and a process that has touched CUDA cannot safely fork.
+
 If one worker fails, the launcher stops the others; we turn its report into one line per
 failed rank, with the phase that the worker recorded. If no rank makes progress for `timeout`
 seconds (a hang: one rank stopped answering and the others wait for it in a collective, which
@@ -11,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
-import sys
+import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -30,23 +37,31 @@ class WorkersFailed(RuntimeError):
 OUT_OF_MEMORY = "ran out of GPU memory"  # a rank's message (worker.py); what `zerolens maxsize` looks for
 
 
-def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, logs: Path | None = None,
-                 timeout: float | None = None, backend: str = "gloo") -> None:
-    """Runs `python -m zerolens.run.worker *worker_args` on `nproc` local ranks; raises WorkersFailed.
-    With `timeout`, the ranks' heartbeats and stacks in `logs` (worker.py) feed the hang watchdog."""
+def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_args: list[str], verbose: bool = False,
+                 *, logs: Path | None = None, timeout: float | None = None, backend: str = "gloo",
+                 preload: Sequence[str] = ()) -> None:
+    """Runs `entrypoint(worker_args)` (worker.launched_rank) on `nproc` local ranks; raises
+    WorkersFailed. With `timeout`, the ranks' heartbeats and stacks in `logs` (worker.py) feed the
+    hang watchdog. `preload`: modules, beside the entrypoint's, that forked CPU ranks find imported
+    (used only where this process starts its fork server, at its first CPU launch)."""
     if not verbose:
         # We print the failure ourselves, in one line: the launcher's own error lines would repeat it.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    method = start_method(backend)
+    if method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [entrypoint.__module__, "torch._dynamo", *preload])  # torch._dynamo: every optimizer step imports it
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         # As `torchrun --standalone`: a c10d store on a free local port, never a fixed 29500.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-        max_restarts=0, monitor_interval=0.5, start_method="spawn")
+        max_restarts=0, monitor_interval=0.5, start_method=method)
     watchdog = HangWatchdog(logs, nproc, timeout, backend) if timeout and logs is not None else None
     if watchdog:
         watchdog.start()
+    launched = time.time()
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "zerolens.run.worker", *worker_args)
+        elastic_launch(config, entrypoint=entrypoint)(list(worker_args))
     except ChildFailedError as e:
         if watchdog:
             if not watchdog.firing.is_set():
@@ -54,9 +69,7 @@ def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, l
             watchdog.join()  # a diagnosis under way (its stack dumps can end a rank) is completed
         if watchdog and watchdog.verdict:
             raise WorkersFailed(watchdog.verdict) from None
-        # The first rank to fail is the cause; the others usually failed because it vanished.
-        failures = sorted(e.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-        lines = [_describe(rank, failure) for rank, failure in failures]
+        lines = failure_lines(e.failures, logs, since=launched)
         if len(lines) > 1:
             lines[1:] = ["then " + line for line in lines[1:]]
         raise WorkersFailed("; ".join(lines)) from None
@@ -65,6 +78,31 @@ def launch_local(nproc: int, worker_args: list[str], verbose: bool = False, *, l
             # Stopped and joined before this launch returns: it must never signal the next launch's workers.
             watchdog.stop.set()
             watchdog.join()
+
+
+def start_method(backend: str) -> str:
+    """How the ranks start (the module's docstring says why): forked from a fork server for gloo on the
+    CPU where the system has one, else spawned."""
+    if backend == "gloo" and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return "spawn"
+
+
+def failure_lines(failures: dict, logs: Path | None, since: float) -> list[str]:
+    """What failed, the cause first. torch's launcher names the failed rank it noticed first, which
+    need not be the first to fail; each rank that failed with a Python error wrote its message into
+    its log (logs/rank<r>.log, worker.py) as it failed, so the logs written since `since` give the
+    order. A rank the launcher names without such a message died without a Python error (killed): it
+    comes first, as the others fail with errors of their own when a rank vanishes."""
+    logged: list[tuple[int, int, str]] = []  # (written at, rank, message)
+    for path in (logs.glob("rank*.log") if logs is not None else ()):
+        with contextlib.suppress(OSError, ValueError):
+            written = path.stat().st_mtime_ns
+            if written >= since * 1e9:
+                logged.append((written, int(path.stem.removeprefix("rank")), path.read_text().split("\n", 1)[0]))
+    silent = [_describe(rank, failure) for rank, failure in sorted(failures.items())
+              if rank not in {r for _, r, _ in logged}]
+    return silent + [message for _, _, message in sorted(logged)]
 
 
 def _describe(rank: int, failure) -> str:
@@ -84,47 +122,63 @@ def _describe(rank: int, failure) -> str:
 WAITING_CODE = ("/torch/distributed/", "/deepspeed/comm/", "/torch/cuda/")
 
 
-def child_pids() -> list[int]:
-    """The processes this one started and has not yet reaped: the launcher's workers. A child's PID
-    is not reused before its parent reaps it; the launcher reaps from another thread, so a worker
-    that exits between this list and the signal could, in principle, lose its PID to another
-    process in that instant. Heartbeat files, which outlive their processes, were far worse."""
-    me, children = os.getpid(), []
+def rank_pids() -> list[int]:
+    """The launcher's workers: the processes this one started, directly or through its fork server,
+    that lead a process group of their own (torch's launcher starts a spawned rank in a session of
+    its own, and a forked one starts one itself: worker.launched_rank). The fork server and
+    multiprocessing's resource tracker are in this process's group and are left alone. A rank's PID
+    is not reused before its parent reaps it; the launcher reaps from another thread, so a rank that
+    exits between this list and the signal could, in principle, lose its PID to another process in
+    that instant. Heartbeat files, which outlive their processes, were far worse."""
+    parents = process_parents()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    ranks, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        if parents[pid][1] == pid:
+            ranks.append(pid)  # its group holds what it started
+        else:
+            todo.extend(children.get(pid, []))
+    return sorted(ranks)
+
+
+def process_parents() -> dict[int, tuple[int, int]]:
+    """Every process's (parent PID, process group), from /proc, else (macOS) from ps."""
+    table = {}
     proc = Path("/proc")
     if proc.is_dir():
         for entry in proc.iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                # /proc/<pid>/stat: pid (comm) state ppid ...; comm may hold spaces and parentheses.
+                # /proc/<pid>/stat: pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
+                table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+            except (OSError, IndexError, ValueError):
                 continue
-            if int(fields[1]) == me:
-                children.append(int(entry.name))
-        return children
-    with contextlib.suppress(OSError, ValueError):  # macOS and other systems without /proc
-        import subprocess
-        out = subprocess.run(["pgrep", "-P", str(me)], capture_output=True, text=True, timeout=10).stdout
-        children = [int(pid) for pid in out.split()]
-    return children
+        return table
+    with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,pgid="], capture_output=True, text=True,
+                             timeout=10).stdout
+        for line in out.splitlines():
+            pid, ppid, pgid = map(int, line.split())
+            table[pid] = (ppid, pgid)
+    return table
 
 
-def signal_children(sig: int) -> None:
-    """`sig` to each worker and everything it started: torch's launcher starts each worker in a
-    session of its own, so its process group holds its descendants."""
-    for pid in child_pids():
+def signal_ranks(sig: int) -> None:
+    """`sig` to each rank and everything it started (its process group)."""
+    for pid in rank_pids():
         with contextlib.suppress(OSError):
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, sig)
-            else:
-                os.kill(pid, sig)
+            os.killpg(pid, sig)
 
 
 class HangWatchdog(threading.Thread):
     """Ends the run when no rank's heartbeat (logs/heartbeat_rank<r>.json) has changed for
     `timeout` seconds since this launch began, heartbeats or not, and says which rank stopped
-    answering. It ends this process's own children, the workers, never a PID read from a file."""
+    answering. It ends this process's own ranks (rank_pids), never a PID read from a file."""
 
     def __init__(self, logs: Path, nproc: int, timeout: float, backend: str = "gloo"):
         super().__init__(daemon=True, name="zerolens-hang-watchdog")
@@ -156,11 +210,11 @@ class HangWatchdog(threading.Thread):
                 if self.stop.is_set():  # the launch ended while the stacks were dumped: nothing to end
                     return
                 self.verdict = verdict
-                signal_children(signal.SIGKILL)
+                signal_ranks(signal.SIGKILL)
                 return
 
     def diagnose(self, beats: dict[int, dict]) -> str:
-        signal_children(signal.SIGUSR1)  # each rank dumps its Python stack (faulthandler, worker.py)
+        signal_ranks(signal.SIGUSR1)  # each rank dumps its Python stack (faulthandler, worker.py)
         self.stop.wait(2)
         stuck, waiting = [], []
         for rank in range(self.nproc):

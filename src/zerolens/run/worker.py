@@ -355,6 +355,24 @@ def print_header(config: RunConfig, out: Path) -> None:
 
 @record
 def main(argv: list[str] | None = None) -> int:
+    """One rank, started by torchrun, deepspeed or another launcher (`python -m zerolens.worker`)."""
+    return run_rank(argv)
+
+
+def launched_rank(argv: list[str]) -> None:
+    """One rank started by `zerolens` itself (launch.launch_local), in a process forked or spawned by
+    multiprocessing; torch's launcher records its error as @record does, and reads its exit code."""
+    with contextlib.suppress(OSError):
+        os.setsid()  # a process group of its own, as torch's launcher gives a spawned binary: launch.rank_pids
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # A forked rank's OpenMP read the fork server's setting; the launch sets this run's (jobs.py).
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    code = run_rank(argv)
+    if code:
+        sys.exit(code)
+
+
+def run_rank(argv: list[str] | None) -> int:
     args = worker_parser().parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("zerolens.run.worker: no RANK/WORLD_SIZE in the environment; start it with zerolens verify, "
