@@ -52,13 +52,20 @@ def test_a_replay_that_parts_from_the_allocator_is_caught():
     grown = json.loads(json.dumps(record))
     big = next(i for i in allocs if grown["events"][i][2] > MiB)
     grown["events"][big][2] = 30 * MiB  # a request the recorded segments cannot hold
-    with pytest.raises(AssertionError, match="the model makes a segment"):
+    with pytest.raises(AssertionError, match="the model.s segment events"):
         replay_recording(grown)
 
 
-def test_expandable_segments_are_not_replayed_but_said_so():
-    with pytest.raises(ValueError, match="expandable segments"):
-        replay_recording(recording("gpt2-expandable"))
+@pytest.mark.parametrize("name", ["case-study-expandable", "gpt2-expandable"])
+def test_expandable_segments_map_every_page_as_the_allocator_did(name):
+    record = recording(name)
+    assert "expandable_segments:True" in record["alloc_conf"]
+    model = replay_recording(record)  # every segment_map where and as large as recorded, every block in place
+    assert model.snapshot() == sorted(record["segments"])
+    assert (model.allocated_peak, model.reserved_peak) == (record["max_memory_allocated"], record["max_memory_reserved"])
+    # Without the recorded addresses: one range per pool, pages mapped within it as there.
+    free_run = run_requests(requests_of_recording(record), expandable=True)
+    assert free_run.reserved_peak == model.reserved_peak
 
 
 def test_rounding_pools_and_segment_sizes():
@@ -123,3 +130,46 @@ def test_max_split_size_keeps_oversize_blocks_whole_and_for_large_requests():
     a.free(small)
     far = a.malloc(210 * MiB)  # 90 MiB short of the cached block is too far (kLargeBuffer): a new segment
     assert far.segment is not big.segment and far.segment.size == 210 * MiB
+
+
+# Expandable segments, as seen on an H200 with torch 2.11 (one 20 MiB page = LARGE_BUFFER in the large pool).
+def test_an_expandable_segment_maps_only_the_shortfall_after_its_free_tail():
+    a = CachingAllocator(expandable=True)
+    first = a.malloc(4 * MiB)  # maps one page; the rest of it stays free
+    second = a.malloc(10 * MiB)
+    assert (first.address, second.address - first.address) == (first.segment.address, 4 * MiB)
+    big = a.malloc(25 * MiB)  # 6 MiB free at the tail: 19 MiB more, one page mapped, merged with it
+    assert a.events[-1] == ("segment_map", first.address + 20 * MiB, 20 * MiB, 0)
+    assert big.address == first.address + 14 * MiB and a.reserved == 40 * MiB
+
+
+def test_best_fit_counts_the_unmapped_tail_of_a_block():
+    a = CachingAllocator(expandable=True)
+    inner = a.malloc(8 * MiB)
+    a.malloc(6 * MiB)  # holds the 8 MiB free block apart from the 6 MiB free tail
+    a.free(inner)
+    taken = a.malloc(5 * MiB)  # the tail (6 MiB, growable) is no better a fit than the inner 8 MiB block
+    assert taken.address == inner.address
+
+
+def test_the_cap_is_checked_against_the_segment_a_request_would_get():
+    cap = 35 * MiB + MiB // 2
+    a = CachingAllocator(expandable=True, cap=cap)
+    a.malloc(19 * MiB)  # one page
+    a.malloc(10 * MiB)  # 20 + 10 (the request's own segment size) <= 35.5 MiB: a second page is mapped
+    assert a.reserved == 40 * MiB > cap
+    with pytest.raises(OutOfMemory):
+        a.malloc(12 * MiB)  # 40 + 12 > cap, and nothing free to unmap
+
+
+def test_out_of_memory_unmaps_the_whole_pages_of_free_blocks_first():
+    a = CachingAllocator(expandable=True, cap=100 * MiB)
+    head = a.malloc(4 * MiB)
+    middle = a.malloc(50 * MiB)  # [4, 54) MiB: pages [0, 60) mapped
+    a.malloc(6 * MiB)  # [54, 60)
+    a.free(middle)
+    late = a.malloc(60 * MiB)  # 60 + 60 > 100: the free block's one whole page, [20, 40), is unmapped first
+    assert a.events[-2:] == [("segment_unmap", head.address + 20 * MiB, 20 * MiB, 0),
+                             ("segment_map", head.address + 60 * MiB, 60 * MiB, 0)]
+    assert late.address == head.address + 60 * MiB and a.reserved == 100 * MiB
+    assert [size for _, size, *_ in a.snapshot()] == [20 * MiB, 80 * MiB]  # the hole splits the segment in two

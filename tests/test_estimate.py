@@ -140,3 +140,30 @@ def test_where_the_peaks_were_traced_is_said(capsys):
     table = " ".join(capsys.readouterr().out.split())
     assert ("traced on the CPU as no GPU is visible" in table) == (expected == "cpu")
     assert run_json(capsys, "--params", "1e9", "--strategies", "zero2")["traced_on"] is None  # nothing traced
+
+
+def test_what_each_rank_needs_from_the_allocator_is_given(capsys, monkeypatch):
+    """On CUDA each rank's reserved peak and smallest allocator cap, with and without expandable
+    segments, and the memory outside the allocator; the table's "needs" follows the user's setting."""
+    from zerolens.predict.allocator import OUTSIDE_ALLOCATOR_MEASURED
+    result = run_json(capsys, "--preset", "case-study", "--strategies", "ddp,zero2", "--device", "cuda")
+    for name, entry in result["strategies"].items():
+        for rank in entry["ranks"]:
+            for key in ("reserved_peak_bytes", "min_allocator_cap_bytes"):
+                assert set(rank[key]) == {"default", "expandable_segments"}
+            for setting in ("default", "expandable_segments"):
+                # never below the allocated peak, never above the reserve with no cap
+                assert rank["peak_bytes"] <= rank["min_allocator_cap_bytes"][setting] <= rank["reserved_peak_bytes"][setting]
+            assert rank["outside_allocator_bytes"] == OUTSIDE_ALLOCATOR_MEASURED["deepspeed" if name == "zero2" else "torch"]
+    cpu = run_json(capsys, "--preset", "case-study", "--strategies", "ddp", "--device", "cpu")
+    assert "min_allocator_cap_bytes" not in cpu["strategies"]["ddp"]["ranks"][0]  # no allocator on the CPU
+    rank = result["strategies"]["ddp"]["ranks"][0]
+    for conf, setting in (("", "default"), ("expandable_segments:True", "expandable_segments")):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        assert main(["estimate", "--preset", "case-study", "--strategies", "ddp", "--device", "cuda"]) == 0
+        table = " ".join(capsys.readouterr().out.split())
+        needs = (rank["min_allocator_cap_bytes"][setting] + rank["outside_allocator_bytes"]) / 2**20
+        assert "needs" in table and f"{needs:.2f}" in table.replace(",", "")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:128")
+    assert main(["estimate", "--preset", "case-study", "--strategies", "ddp", "--device", "cuda"]) == 0
+    assert "max_split_size_mb:128 not modelled" in " ".join(capsys.readouterr().out.split())

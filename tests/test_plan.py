@@ -6,8 +6,12 @@ import pytest
 from zerolens.commands import plan
 from zerolens.errors import UserError
 from zerolens.models.model import PRESETS
+from zerolens.predict.allocator import OUTSIDE_ALLOCATOR_MEASURED
 from zerolens.run.config import RunConfig
 from zerolens.units import GiB, MiB
+
+# What a DeepSpeed process holds outside the allocator: the memory below gives each allocator 80 MiB or more.
+OUTSIDE = OUTSIDE_ALLOCATOR_MEASURED["deepspeed"]
 
 
 def tiny(*strategies) -> RunConfig:
@@ -29,33 +33,60 @@ def test_a_size_it_cannot_read_is_a_user_error(text):
 
 @pytest.mark.slow
 def test_what_fits_is_within_memory_and_what_does_not_is_said():
-    """ZeRO-2's 50M-element bf16 bucket (95 MiB) cannot fit in 80 MiB at any micro-batch; DDP fits
-    at small micro-batches, and stops being tried at the first that does not fit."""
-    memory = 80 * MiB
+    """ZeRO-2's 50M-element bf16 bucket (95 MiB) cannot fit in 80 MiB for the allocator at any
+    micro-batch; DDP fits at small micro-batches, and stops being tried at the first that does not fit.
+    What a configuration needs is its smallest allocator cap and what the process holds outside."""
+    memory = OUTSIDE + 80 * MiB
     result = plan.plan(tiny("ddp", "zero2"), memory=memory, micro_batches=[1, 2, 4, 64], reduce_bucket_sizes=[50_000_000],
                        cuda_capability=(9, 0), depth_search=False)
-    assert result["fits"] and all(r["peak_bytes"] <= memory and r["strategy"] == "ddp" for r in result["fits"])
-    assert all(r["headroom_bytes"] == memory - r["peak_bytes"] for r in result["fits"])
-    assert all(r["tight"] == (r["headroom_bytes"] < plan.TIGHT_HEADROOM * memory) for r in result["fits"])
+    assert result["fits"] and all(r["needs_bytes"] <= memory and r["strategy"] == "ddp" for r in result["fits"])
+    for r in result["fits"] + result["does_not_fit"]:
+        assert r["needs_bytes"] == r["min_allocator_cap_bytes"] + r["outside_allocator_bytes"]
+        assert r["min_allocator_cap_bytes"] >= r["peak_bytes"]  # no cap below the allocated peak
+        assert r["min_allocator_cap_bytes"] <= r["reserved_peak_bytes"]  # the uncapped reserve always runs
+        assert r["outside_allocator_bytes"] == OUTSIDE_ALLOCATOR_MEASURED["deepspeed" if r["strategy"] == "zero2" else "torch"]
+    assert all(r["headroom_bytes"] == memory - r["needs_bytes"] for r in result["fits"])
+    assert all(r["barely"] == (r["headroom_bytes"] < plan.PREDICTION_MARGIN * memory) for r in result["fits"])
     failing = {(r["strategy"], r["micro_batch"], r["checkpointing"]) for r in result["does_not_fit"]}
     assert ("zero2", 1, False) in failing and ("zero2", 1, True) in failing
-    assert all(r["peak_bytes"] > memory for r in result["does_not_fit"])
-    # Cheapest first: no recomputation before recomputation, then fewer bytes sent per sample.
+    assert all(r["needs_bytes"] > memory for r in result["does_not_fit"])
+    # Those with room first, then the cheapest: no recomputation before recomputation, then fewer bytes
+    # sent per sample.
     keys = [plan.cost_key(r) for r in result["fits"]]
     assert keys == sorted(keys)
-    assert result["fits"][0]["checkpointing"] is False
-    # The peak grows with the micro-batch: a larger one than a failing one is not tried.
+    # What a configuration needs grows with the micro-batch: a larger one than a failing one is not tried.
     ddp_plain = {r["micro_batch"] for r in result["fits"] + result["does_not_fit"]
                  if r["strategy"] == "ddp" and not r["checkpointing"]}
     assert 64 not in ddp_plain or max(ddp_plain) == 64
 
 
+def test_expandable_segments_are_said_where_they_would_make_it_fit(monkeypatch):
+    """Between a configuration's need with expandable segments and with the default allocator, it fits
+    only with expandable segments, and plan says so with the bytes saved."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    config = RunConfig(strategies=("zero2",), baseline="zero2", device="cuda", preset="case-study",
+                       model=PRESETS["case-study"], precision="fp16", micro_batch=16)
+    needs = plan.predicted_peak(config, (9, 0))
+    assert needs["needs_expandable_bytes"] < needs["needs_bytes"]  # pages mapped as needed waste less
+    memory = needs["needs_expandable_bytes"]
+    result = plan.plan(config, memory=memory, micro_batches=[16], reduce_bucket_sizes=[50_000_000],
+                       cuda_capability=(9, 0), depth_search=False)
+    rescued = [r for r in result["does_not_fit"] if r["fits_with_expandable_segments"]]
+    assert rescued
+    saved = rescued[0]["needs_bytes"] - rescued[0]["needs_expandable_bytes"]
+    text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
+    assert "With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True these would fit" in text
+    assert f"{saved / MiB:.0f} MiB less" in text
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # then the need is the expandable one
+    assert plan.predicted_peak(config, (9, 0))["needs_bytes"] == memory
+
+
 def test_the_deepest_model_fits_and_one_layer_more_does_not():
-    memory = 84 * MiB
+    memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
     deepest = plan.largest_depth(tiny("ddp"), memory, (9, 0))
     assert deepest["max_depth"] >= 2
-    assert deepest["peak_bytes"] <= memory < deepest["next_peak_bytes"]
-    assert deepest["traced"][str(deepest["max_depth"] + 1)] == deepest["next_peak_bytes"]
+    assert deepest["needs_bytes"] <= memory < deepest["next_needs_bytes"]
+    assert deepest["traced"][str(deepest["max_depth"] + 1)] == deepest["next_needs_bytes"]
 
 
 def test_a_bigger_bucket_is_a_configuration_of_its_own():
@@ -66,11 +97,11 @@ def test_a_bigger_bucket_is_a_configuration_of_its_own():
 
 
 def test_plan_command_json(cli):
-    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "ddp,zero2",
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", f"{(OUTSIDE + 80 * MiB) // MiB}MiB", "--strategies", "ddp,zero2",
                       "--micro-batches", "1,4", "--no-depth", "--jobs", "1", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out["gpu_memory_bytes"] == 80 * MiB and out["world_size"] == 2 and out["precision"] == "bf16"
+    assert out["gpu_memory_bytes"] == (OUTSIDE + 80 * MiB) // MiB * MiB and out["world_size"] == 2 and out["precision"] == "bf16"
     assert {r["strategy"] for r in out["fits"]} == {"ddp"}
     assert {r["strategy"] for r in out["does_not_fit"]} == {"zero2"}
     assert all(r["sent_per_step_bytes"] > 0 for r in out["fits"])
@@ -80,9 +111,10 @@ def test_plan_command_json(cli):
 
 def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):
     """DeepSpeed uses the bucket size of the user's config, so plan does: ZeRO-2's 95 MiB default
-    bucket does not fit 80 MiB, a 1000-element one does."""
+    bucket does not fit 80 MiB beside what the process holds outside the allocator, a 1000-element one does."""
     override = '{"zero_optimization": {"reduce_bucket_size": 1000}}'
-    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "80MiB", "--strategies", "zero2",
+    memory = f"{(OUTSIDE + 80 * MiB) // MiB}MiB"
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", memory, "--strategies", "zero2",
                       "--micro-batches", "1", "--no-depth", "--jobs", "1", "--ds-override", override, "--json")
     assert result.returncode == 0, result.stderr
     fits = json.loads(result.stdout)["fits"]
@@ -94,7 +126,8 @@ def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):
 
 @pytest.mark.slow
 def test_plan_command_table_with_the_deepest_model(cli):
-    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", "84MiB", "--strategies", "ddp",
+    memory = f"{(OUTSIDE_ALLOCATOR_MEASURED['torch'] + 84 * MiB) // MiB}MiB"
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", memory, "--strategies", "ddp",
                       "--micro-batches", "1", "--jobs", "1")
     assert result.returncode == 0, result.stderr
     assert "configurations fit" in result.stdout and "The deepest gpt-tiny (width 64)" in result.stdout

@@ -229,15 +229,21 @@ def test_ranks_traced_once_for_others_would_trace_the_same(name, preset, world_s
 
 
 def test_the_report_shows_fragmentation_beside_the_prediction_on_cuda():
-    """On CUDA each phase's reserved peak and its excess over the allocated peak (fragmentation,
-    not predicted) sit beside the predicted and measured peaks; on the CPU there is no allocator."""
+    """On CUDA each phase's reserved peak and its excess over the allocated peak sit beside the predicted
+    and measured peaks, and the run's reserved peak beside the allocator model's; on the CPU there is
+    no allocator."""
     from zerolens.report.render import peak_prediction_section
     phases = ("forward", "backward", "step")
-    predicted = {f"peak_during_{ph}": 100 * 2**20 for ph in phases} | {"peak_bytes": 100 * 2**20, "target": "cuda"}
+    predicted = {f"peak_during_{ph}": 100 * 2**20 for ph in phases} | {
+        "peak_bytes": 100 * 2**20, "target": "cuda",
+        "reserved_peak_bytes": {"default": 118 * 2**20, "expandable_segments": 102 * 2**20},
+        "min_allocator_cap_bytes": {"default": 110 * 2**20, "expandable_segments": 102 * 2**20}}
     rank = {"rank": 0, "predicted_peaks": predicted, **{f"peak_during_{ph}": 101 * 2**20 for ph in phases},
-            **{f"reserved_peak_during_{ph}": 120 * 2**20 for ph in phases}}
+            **{f"reserved_peak_during_{ph}": 120 * 2**20 for ph in phases}, "reserved_peak_bytes": 120 * 2**20,
+            "outside_allocator_after_step": 1300 * 2**20}
     section = peak_prediction_section({"device": "cuda", "strategies": {"zero2": {"ranks": [rank]}}})
-    assert "reserved - allocated (not predicted)" in section
+    assert "reserved - allocated" in section
     assert "| zero2 | 0 | forward | 100.000 | 101.000 | -0.99% | 120.000 | 19.000 |" in section
+    assert "| zero2 | 0 | 118.000 | 120.000 | -1.67% | 110.000 | 1300.000 |" in section
     cpu = {**rank, "predicted_peaks": predicted | {"target": "cpu", "last_step": predicted}}
     assert "reserved" not in peak_prediction_section({"device": "cpu", "strategies": {"zero2": {"ranks": [cpu]}}})

@@ -13,6 +13,7 @@ from torch import nn
 
 from zerolens.errors import UserError
 from zerolens.models.model import PRESETS, load_user_function, parameter_shapes
+from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
 from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device
 from zerolens.report.tables import say
@@ -94,6 +95,9 @@ def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cud
     for rank, peaks in zip(entry["ranks"], predicted["ranks"]):
         rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
                                            "peak_bytes", "cublas_workspace_bytes")})
+        if cuda_capability is not None:  # what the caching allocator and the rest of the process need
+            rank.update({k: peaks[k] for k in ("reserved_peak_bytes", "min_allocator_cap_bytes")})
+            rank["outside_allocator_bytes"] = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
 
 
 def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int, precision: str) -> dict:
@@ -142,22 +146,37 @@ def render_estimate(result: dict) -> list:
             "transient_reduce_bucket_bytes", "retained_total_bytes")
     unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [r.get("peak_bytes") for _, _, r in shown]
                            + [e["paper_model_states_bytes"] for e in entries.values()])
+    cuda = result["device"] == "cuda"
+    setting, unmodelled = allocator_setting()
     rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(r.get("peak_bytes"), unit, 2),
+             *([in_unit(needs(r, setting), unit, 2)] if cuda else []),
              in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
              in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
-    where = ("on the CPU" if result["device"] == "cpu" else
+    where = ("on the CPU" if not cuda else
              f"on CUDA (compute capability {result['cuda_capability']}'s cuBLAS workspaces included)"
              + trace_caveat(result["traced_on"]))
+    needs_text = ("; \"needs\": the GPU memory the rank needs to run, the smallest cap the caching allocator "
+                  f"runs the trace's allocations under ({setting.replace('_', ' ')}{unmodelled}) plus what the "
+                  f"process holds outside it ({outside_allocator_source()})" if cuda else "")
     not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
     return lines + [
         f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "
         "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
-        "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest of a training "
-        f"step, activations and temporaries included, for {result['micro_batch']} samples per rank {where}. "
-        "The ZeRO paper's model states also in GB (10^9 bytes), its unit (--json: every rank and figure).",
-        terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak", "paper",
-                        "paper GB", "DS est."], rows, right=set(range(1, 12))),
+        "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest allocated in a "
+        f"training step, activations and temporaries included, for {result['micro_batch']} samples per rank "
+        f"{where}{needs_text}. The ZeRO paper's model states also in GB (10^9 bytes), its unit (--json: every rank "
+        "and figure).",
+        terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak",
+                        *(["needs"] if cuda else []), "paper", "paper GB", "DS est."], rows,
+                       right=set(range(1, 13 if cuda else 12))),
         *(f"No peak for {line}." for line in not_predicted)]
+
+
+def needs(rank: dict, setting: str) -> int | None:
+    """The GPU memory a rank needs under an allocator setting: its smallest cap plus what is outside it."""
+    if "min_allocator_cap_bytes" not in rank:
+        return None
+    return rank["min_allocator_cap_bytes"][setting] + rank["outside_allocator_bytes"]
 
 
 # --- The command line ------------------------------------------------------------------------------

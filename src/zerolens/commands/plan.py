@@ -41,12 +41,12 @@ from zerolens.run.validate import check_config
 from zerolens.strategies import registry
 from zerolens.units import GiB, MiB
 
-# Below this share of the memory as headroom a configuration that fits the prediction may still
-# run out of memory: the allocator needs room beyond the allocated bytes (fragmentation), which is
-# not predicted. On 2xH200 under a 24 GiB cap, gpt-1b at micro-batch 8 with zero0, predicted at 97.1%
-# of the cap, ran out of memory, while maxsize's deepest ddp and zero2 models, predicted at 97.9% and
-# 97.1%, fitted (docs/results/2xh200/issue14/matrix-capped/, plan-vs-maxsize/).
-TIGHT_HEADROOM = 0.05
+# A configuration whose predicted need leaves less than this share of the memory fits only if the
+# prediction errs by less. The allocator model replays recorded allocator histories exactly, but the
+# allocations of zerolens's own trace are not yet the GPU's: on one H200, gpt-1b's reserved peak was
+# predicted 3.4% low (DDP) and its smallest cap too low to run, for DDP and ZeRO-2 alike
+# (docs/results/1xh200/issue21/). Such configurations are ranked after those with more room.
+PREDICTION_MARGIN = 0.05
 
 MEMORY_UNITS = {"": GiB, "gib": GiB, "mib": MiB, "tib": 1024 * GiB, "gb": 10**9, "mb": 10**6, "tb": 10**12}
 MAX_DEPTH = 512  # the depth search's cap: each depth tried is traced, and a trace's time grows with depth
@@ -81,17 +81,27 @@ class Candidate:
 
 
 def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int]) -> dict:
-    """The highest predicted peak over the ranks of a one-strategy config, with its rank and phases;
-    or why it is not predicted (`why_not`)."""
+    """What a one-strategy config needs on each GPU, for its rank that needs the most: the smallest cap
+    under which the caching allocator runs its allocations (the allocator setting of this process's
+    PYTORCH_CUDA_ALLOC_CONF) plus what the process holds outside the allocator (`needs_bytes`), the
+    same with expandable segments (`needs_expandable_bytes`), and its allocated peaks; or why it is not
+    predicted (`why_not`)."""
+    from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes
     from zerolens.predict.peak import predicted_peaks
     registry.load_plugins()  # in a pool's fresh process too
     name = config.strategies[0]
     predicted = predicted_peaks(config, cuda_capability)[name]
     if "ranks" not in predicted:
         return {"why_not": predicted["why_not"]}
-    rank = max(range(config.nproc), key=lambda r: predicted["ranks"][r]["peak_bytes"])
-    peaks = predicted["ranks"][rank]
-    return {"peak_bytes": peaks["peak_bytes"], "rank": rank,
+    setting, _ = allocator_setting()
+    outside = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
+    ranks = predicted["ranks"]
+    rank = max(range(config.nproc), key=lambda r: (ranks[r]["min_allocator_cap_bytes"][setting], ranks[r]["peak_bytes"]))
+    peaks = ranks[rank]
+    return {"needs_bytes": peaks["min_allocator_cap_bytes"][setting] + outside, "rank": rank,
+            "min_allocator_cap_bytes": peaks["min_allocator_cap_bytes"][setting], "outside_allocator_bytes": outside,
+            "needs_expandable_bytes": max(r["min_allocator_cap_bytes"]["expandable_segments"] for r in ranks) + outside,
+            "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
             **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")}}
 
 
@@ -100,9 +110,9 @@ def with_depth(config: RunConfig, depth: int) -> RunConfig:
 
 
 def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int]) -> dict:
-    """The deepest model of the config's width whose predicted peak fits `memory`, for its one
+    """The deepest model of the config's width whose predicted need fits `memory`, for its one
     strategy, searched as `zerolens maxsize` searches by training (maxsize.largest_fitting_depth),
-    with a prediction in place of each trial (`traced`: every depth predicted and its peak)."""
+    with a prediction in place of each trial (`traced`: every depth predicted and its need)."""
     from zerolens.commands.maxsize import largest_fitting_depth, max_fitting
     traced: dict[int, int] = {}
     why_not = []
@@ -112,13 +122,13 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
         if "why_not" in predicted:
             why_not.append(predicted["why_not"])
             return None
-        traced[depth] = predicted["peak_bytes"]
+        traced[depth] = predicted["needs_bytes"]
         return traced[depth] if traced[depth] <= memory else None
 
     depth = max_fitting(largest_fitting_depth(trial, lambda: memory, max_depth=MAX_DEPTH))
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
-    return {"max_depth": depth, "params": params, "peak_bytes": traced.get(depth),
-            "next_peak_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
+    return {"max_depth": depth, "params": params, "needs_bytes": traced.get(depth),
+            "next_needs_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
             **({"why_not": why_not[0]} if why_not else {})}
 
 
@@ -134,9 +144,10 @@ def communication_bytes(name: str, params: int, world_size: int, precision: str)
 
 
 def cost_key(row: dict) -> tuple:
-    """Cheapest first: no recomputation, fewer bytes sent per sample (unknown last), a lower peak."""
+    """Those with room first (more than PREDICTION_MARGIN of the memory left), then the cheapest: no
+    recomputation, fewer bytes sent per sample (unknown last), a lower need."""
     per_sample = row["sent_per_sample_bytes"]
-    return (row["checkpointing"], per_sample is None, per_sample or 0, row["peak_bytes"])
+    return (row["barely"], row["checkpointing"], per_sample is None, per_sample or 0, row["needs_bytes"])
 
 
 def pool(jobs: int) -> ProcessPoolExecutor:
@@ -172,11 +183,12 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
                     not_predicted.setdefault(c.strategy, peak["why_not"])
                     continue
                 sent = communication_bytes(c.strategy, params, config.nproc, config.precision)
-                row = {**dataclasses.asdict(c), **peak, "headroom_bytes": memory - peak["peak_bytes"],
-                       "tight": memory - peak["peak_bytes"] < TIGHT_HEADROOM * memory,
+                row = {**dataclasses.asdict(c), **peak, "headroom_bytes": memory - peak["needs_bytes"],
+                       "barely": memory - peak["needs_bytes"] < PREDICTION_MARGIN * memory,
+                       "fits_with_expandable_segments": peak["needs_expandable_bytes"] <= memory,
                        "sent_per_step_bytes": sent,
                        "sent_per_sample_bytes": None if sent is None else sent / c.micro_batch}
-                if peak["peak_bytes"] <= memory:
+                if peak["needs_bytes"] <= memory:
                     rows.append(row)
                     still.append((c.strategy, c.checkpointing, c.reduce_bucket_size))
                 else:  # a larger micro-batch would need more still
@@ -184,8 +196,9 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
             alive = still
         deepest = {name: future.result() for name, future in depths.items()}
     rows.sort(key=cost_key)
+    from zerolens.predict.allocator import allocator_setting
     return {"model": config.preset, "params": params, "width": config.model.d_model, "world_size": config.nproc,
-            "precision": config.precision, "gpu_memory_bytes": memory,
+            "precision": config.precision, "gpu_memory_bytes": memory, "allocator_setting": allocator_setting()[0],
             "cuda_capability": ".".join(map(str, cuda_capability)), "traced_on": trace_device(cuda_capability).type,
             "micro_batches": sorted(micro_batches),
             "reduce_bucket_sizes": reduce_bucket_sizes, "fits": rows,
@@ -227,99 +240,119 @@ def bucket_text(size: int | None) -> str:
 def render_plan(result: dict, top: int) -> list:
     """The plan for the terminal: the cheapest `top` configurations that fit, what does not fit, the
     deepest model per strategy; --json has every figure."""
+    from zerolens.predict.allocator import outside_allocator_source
     from zerolens.report.tables import in_unit, terminal_table, unit_for
     memory = result["gpu_memory_bytes"]
     unit, label = unit_for([memory])
+    setting = result["allocator_setting"].replace("_", " ")
     lines = [f"zerolens plan: {result['model']} ({param_count(result['params'])} parameters), {result['world_size']} "
-             f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU for the allocator (CUDA, "
-             f"compute capability {result['cuda_capability']})"]
+             f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU (CUDA, compute capability "
+             f"{result['cuda_capability']}), the {setting} allocator"]
     fits = result["fits"]
     if fits:
         shown = fits[:top]
         sent_unit, sent_label = unit_for([r["sent_per_step_bytes"] for r in shown])
         rows = [[r["strategy"], r["micro_batch"], "on" if r["checkpointing"] else "off",
                  bucket_text(r["reduce_bucket_size"]), in_unit(r["peak_bytes"], unit, 2),
-                 in_unit(r["headroom_bytes"], unit, 2) + (" tight" if r["tight"] else ""), r["rank"],
+                 in_unit(r["needs_bytes"], unit, 2), in_unit(r["headroom_bytes"], unit, 2) + (" barely" if r["barely"]
+                                                                                             else ""), r["rank"],
                  in_unit(r["sent_per_step_bytes"], sent_unit, 2),
                  in_unit(r["sent_per_sample_bytes"], MiB, 1)] for r in shown]
         lines += [f"{len(fits)} configurations fit" + (f"; the {top} cheapest" if len(fits) > top else "") +
-                  ": without recomputation (ckpt: activation checkpointing) first, then by the bytes each rank "
-                  "sends per sample (ring all-reduce, all-gather and reduce-scatter volumes), then by the peak. "
-                  f"Peak: the highest rank's, predicted on fake tensors{trace_caveat(result['traced_on'])}. "
-                  "Tight: headroom under "
-                  f"{TIGHT_HEADROOM:.0%} of the memory, which fragmentation may take (--check tries it).",
-                  terminal_table(["strategy", "micro-batch", "ckpt", "bucket", f"peak {label}", f"headroom {label}",
-                                  "rank", f"sent/step {sent_label}", "sent/sample MiB"], rows,
-                                 right={1, 4, 5, 6, 7, 8})]
+                  ": those with room first (\"barely\": less than "
+                  f"{PREDICTION_MARGIN:.0%} of the memory left, about the prediction's own error), then without "
+                  "recomputation (ckpt: activation checkpointing), then by the bytes each rank sends per sample "
+                  "(ring all-reduce, all-gather and reduce-scatter volumes), then by what they need. Peak: the "
+                  f"highest rank's allocated peak, predicted on fake tensors{trace_caveat(result['traced_on'])}; "
+                  "needs: the smallest cap the caching allocator runs that rank's allocations under, plus what "
+                  f"the process holds outside it ({outside_allocator_source()}).",
+                  terminal_table(["strategy", "micro-batch", "ckpt", "bucket", f"peak {label}", f"needs {label}",
+                                  f"headroom {label}", "rank", f"sent/step {sent_label}", "sent/sample MiB"], rows,
+                                 right={1, 4, 5, 6, 7, 8, 9})]
     else:
         lines.append("No configuration fits.")
     smallest_failing = {}
     for r in result["does_not_fit"]:
         key = (r["strategy"], r["checkpointing"], r["reduce_bucket_size"])
-        if key not in smallest_failing or r["peak_bytes"] < smallest_failing[key]["peak_bytes"]:
+        if key not in smallest_failing or r["needs_bytes"] < smallest_failing[key]["needs_bytes"]:
             smallest_failing[key] = r
     if smallest_failing:
         lines.append("Does not fit, nor would a larger micro-batch: " + "; ".join(
             f"{name}{' with ckpt' if ckpt else ''}{'' if bucket is None else f' (bucket {bucket_text(bucket)})'} at "
-            f"micro-batch {r['micro_batch']} ({in_unit(r['peak_bytes'], unit, 2)} {label})"
+            f"micro-batch {r['micro_batch']} (needs {in_unit(r['needs_bytes'], unit, 2)} {label})"
             for (name, ckpt, bucket), r in smallest_failing.items()) + ".")
+    if result["allocator_setting"] == "default":
+        rescued = [r for r in result["does_not_fit"] if r["fits_with_expandable_segments"]]
+        if rescued:
+            lines.append("With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True these would fit: " + "; ".join(
+                f"{r['strategy']}{' with ckpt' if r['checkpointing'] else ''} at micro-batch {r['micro_batch']} "
+                f"(needs {in_unit(r['needs_expandable_bytes'], unit, 2)} {label}, "
+                f"{in_unit(r['needs_bytes'] - r['needs_expandable_bytes'], MiB, 0)} MiB less)" for r in rescued) + ".")
     for name, why in result["not_predicted"].items():
         lines.append(f"Not predicted: {name}: {why}.")
     deepest = result["deepest"]
     if deepest:
-        rows = [[name, d["max_depth"], param_count(d["params"]), in_unit(d["peak_bytes"], unit, 2),
-                 in_unit(d["next_peak_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
+        rows = [[name, d["max_depth"], param_count(d["params"]), in_unit(d["needs_bytes"], unit, 2),
+                 in_unit(d["next_needs_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
         lines += [f"The deepest {result['model']} (width {result['width']}) each strategy can train, predicted, at "
                   f"micro-batch {deepest['micro_batch']}, ckpt {'on' if deepest['checkpointing'] else 'off'}:",
-                  terminal_table(["strategy", "layers", "parameters", f"peak {label}", f"one layer more {label}"], rows,
-                                 right={1, 2, 3, 4})]
+                  terminal_table(["strategy", "layers", "parameters", f"needs {label}", f"one layer more {label}"],
+                                 rows, right={1, 2, 3, 4})]
         lines += [f"Not predicted: {name}'s depth: {d['why_not']}." for name, d in deepest["strategies"].items()
                   if "why_not" in d]
-    lines.append("Not counted: fragmentation (the allocator's reserved minus allocated), the CUDA context and NCCL's "
-                 "own buffers; --gpu-memory is what the caching allocator may hold. --check runs the best "
-                 "candidates on this machine's GPUs with that cap.")
+    lines.append("--check runs the best candidates on this machine's GPUs, the allocator capped at each one's "
+                 "predicted smallest cap (it should run) and 1% below it (it should run out of memory).")
     return lines
 
 
 def check_candidates(config: RunConfig, result: dict, top: int, out, command: str, say) -> list[dict]:
-    """Short benches (one warm-up step, two timed) of the `top` cheapest fitting candidates, each
-    capped at the plan's memory per GPU: did it fit, its measured and predicted peaks, its step time.
-    A rank that runs out of memory is a result (it did not fit); any other failure ends the check."""
+    """Short benches (one warm-up step, two timed) of the `top` best fitting candidates, each twice:
+    the caching allocator capped at the candidate's predicted smallest cap (it should run) and 1% below
+    it (it should run out of memory). Per candidate: whether each ran, the measured and predicted
+    peaks, the step time. A rank that runs out of memory is a result; any other failure ends the check."""
     from zerolens.run.folder import new_run_folder
     from zerolens.run.jobs import run_job
     from zerolens.run.launch import OUT_OF_MEMORY, WorkersFailed
     checked = []
     for row in result["fits"][:top]:
         candidate = Candidate(row["strategy"], row["micro_batch"], row["checkpointing"], row["reduce_bucket_size"])
-        point = dataclasses.replace(candidate.config(config), job="bench", warmup_steps=1, steps=2,
-                                    memory_limit_gib=result["gpu_memory_bytes"] / GiB,
-                                    out=str(new_run_folder(out / "check" / candidate.label())))
-        say(f"zerolens plan --check: {candidate.label()} ...")
-        entry = {**dataclasses.asdict(candidate), "predicted_peak_bytes": row["peak_bytes"], "run": point.out}
-        try:
-            bench = run_job(point, command=f"{command} (check: {candidate.label()})", quiet=True)
-        except WorkersFailed as e:
-            if OUT_OF_MEMORY not in str(e):
-                raise
-            checked.append(entry | {"fits": False, "measured_peak_bytes": None})
-            continue
-        measured = bench["strategies"][candidate.strategy]
-        checked.append(entry | {"fits": True, "measured_peak_bytes": measured["peak_bytes"],
-                                "error": row["peak_bytes"] / measured["peak_bytes"] - 1 if measured["peak_bytes"]
-                                else None, "step_time_s": measured["step_time_s"],
-                                "tokens_per_s": measured["tokens_per_s"]})
+        cap = row["min_allocator_cap_bytes"]
+        entry = {**dataclasses.asdict(candidate), "predicted_peak_bytes": row["peak_bytes"],
+                 "predicted_cap_bytes": cap}
+        below = int(cap * 0.99) // (2 * MiB) * (2 * MiB)  # the allocator reserves whole 2 MiB
+        for name, limit in (("at_cap", cap), ("below_cap", below)):
+            point = dataclasses.replace(candidate.config(config), job="bench", warmup_steps=1, steps=2,
+                                        memory_limit_gib=limit / GiB,
+                                        out=str(new_run_folder(out / "check" / f"{candidate.label()}-{name}")))
+            say(f"zerolens plan --check: {candidate.label()}, allocator capped at {limit / GiB:.3f} GiB ...")
+            try:
+                bench = run_job(point, command=f"{command} (check: {candidate.label()}, {name})", quiet=True)
+            except WorkersFailed as e:
+                if OUT_OF_MEMORY not in str(e):
+                    raise
+                entry[f"runs_{name}"] = False
+                continue
+            entry[f"runs_{name}"] = True
+            if name == "at_cap":
+                measured = bench["strategies"][candidate.strategy]
+                entry |= {"measured_peak_bytes": measured["peak_bytes"],
+                          "measured_reserved_peak_bytes": measured.get("reserved_peak_bytes"),
+                          "step_time_s": measured["step_time_s"], "tokens_per_s": measured["tokens_per_s"]}
+        entry["as_predicted"] = entry["runs_at_cap"] and not entry["runs_below_cap"]
+        checked.append(entry)
     return checked
 
 
 def render_checks(checked: list[dict]) -> list:
     from zerolens.report.tables import in_unit, terminal_table
-    rows = [[c["strategy"], c["micro_batch"], "on" if c["checkpointing"] else "off", "yes" if c["fits"] else "NO",
-             in_unit(c["predicted_peak_bytes"], GiB, 2), in_unit(c["measured_peak_bytes"], GiB, 2),
-             "-" if c.get("error") is None else f"{c['error']:+.2%}",
+    rows = [[c["strategy"], c["micro_batch"], "on" if c["checkpointing"] else "off", in_unit(c["predicted_cap_bytes"], GiB, 3),
+             "yes" if c["runs_at_cap"] else "NO (out of memory)", "yes" if c["runs_below_cap"] else "no (out of memory)",
+             "yes" if c["as_predicted"] else "NO", in_unit(c.get("measured_peak_bytes"), GiB, 3),
              "-" if c.get("step_time_s") is None else f"{c['step_time_s']:.3f}"] for c in checked]
-    return ["Checked on this machine's GPUs (one warm-up and two timed steps each, capped at --gpu-memory):",
-            terminal_table(["strategy", "micro-batch", "ckpt", "fits", "predicted GiB", "measured GiB",
-                            "error", "step s"], rows, right={1, 4, 5, 6, 7})]
+    return ["Checked on this machine's GPUs (one warm-up and two timed steps each), the caching allocator capped at "
+            "the predicted smallest cap and 1% below it:",
+            terminal_table(["strategy", "micro-batch", "ckpt", "cap GiB", "runs at cap", "runs 1% below",
+                            "as predicted", "measured peak GiB", "step s"], rows, right={1, 3, 7, 8})]
 
 
 def check_micro_batches(text: str) -> list[int]:
@@ -352,8 +385,9 @@ def add_parser(subparsers) -> None:
                                           "train there. No GPU is used, except by --check.")
     add_verify_arguments(p)
     p.add_argument("--gpu-memory", required=True, metavar="SIZE",
-                   help="what the caching allocator may hold per GPU: 80GiB, 81920MiB, 80GB (10^9 bytes); "
-                        "a plain number is GiB")
+                   help="each GPU's memory: 80GiB, 81920MiB, 80GB (10^9 bytes); a plain number is GiB. A "
+                        "configuration fits when its predicted smallest allocator cap plus the memory the process "
+                        "holds outside the allocator is within it")
     p.add_argument("--micro-batches", default="1,2,4,8,16,32,64",
                    help="micro-batches per rank to try (default 1,2,4,8,16,32,64; each from the smallest until "
                         "one does not fit)")
@@ -363,8 +397,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-depth", action="store_true", help="skip the search for the deepest model")
     p.add_argument("--jobs", type=int, default=None, help="processes tracing in parallel (default: cores, at most 4)")
     p.add_argument("--check", type=int, nargs="?", const=3, default=0, metavar="K",
-                   help="run short benches of the K cheapest fitting configurations (default 3) on this "
-                        "machine's GPUs, capped at --gpu-memory, to confirm they fit and time them")
+                   help="run short benches of the K best fitting configurations (default 3) on this machine's "
+                        "GPUs, the allocator capped at each one's predicted smallest cap and 1%% below it, to "
+                        "confirm the prediction on both sides and time them")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of tables")
     p.set_defaults(func=command, device="cuda", strategies=",".join(registry.names()), preset="gpt-1b")
 

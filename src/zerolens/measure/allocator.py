@@ -79,6 +79,11 @@ class AllocatorReadings:
                  f"reserved_after_{name}": stats["reserved_bytes.all.current"],
                  f"reserved_peak_during_{name}": stats["reserved_bytes.all.peak"],
                  "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"]}
+        if name == "step":
+            # What the process holds on the GPU beside the allocator's reserve: CUDA's context, cuBLAS's and
+            # NCCL's own buffers, loaded kernels. The device's used memory counts every process on it.
+            free, total = torch.cuda.mem_get_info(self.device)
+            into["outside_allocator_after_step"] = total - free - stats["reserved_bytes.all.current"]
 
     def note_held(self, holdings) -> None:
         """Last step: which storages the strategy holds now (`holdings`, called only then). Between

@@ -1,7 +1,7 @@
 """A model of PyTorch's CUDA caching allocator, as c10/cuda/CUDACachingAllocator.cpp (torch 2.11 to 2.13)
-runs it without expandable segments: fed a sequence of requests and frees, it places each block where
-the allocator would and makes the segments it would make, so that the memory a run reserves can be
-known from the allocations alone.
+runs it, with and without expandable segments: fed a sequence of requests and frees, it places each
+block where the allocator would and maps or makes the memory it would, so that the memory a run
+reserves can be known from its allocations alone.
 
 The rules, from the allocator's source:
 - a request is rounded up to a multiple of 512 bytes (kMinBlockSize); up to 1 MiB (kSmallSize) it is
@@ -10,23 +10,32 @@ The rules, from the allocator's source:
   address first among equal sizes (BlockComparatorSize: stream, size, address); with max_split_size
   set, a request below it takes no block at or above it, and one above it no block 20 MiB or more
   larger than itself (kLargeBuffer);
-- the block is split when the rest is worth keeping: in the small pool when 512 bytes or more remain,
-  in the large one when the request is below max_split_size and more than 1 MiB remains; the request
-  takes the block's start, the rest stays free after it;
+- the block is split when the rest is worth keeping: in the small pool, or with expandable segments,
+  when 512 bytes or more remain; otherwise when the request is below max_split_size and more than
+  1 MiB remains; the request takes the block's start, the rest stays free after it;
 - with no free block, a segment is allocated (cudaMalloc): 2 MiB (kSmallBuffer) for a small request,
-  20 MiB (kLargeBuffer) for one below 10 MiB (kMinLargeAlloc), else the request rounded up to 2 MiB;
-- where that would pass the cap (set_per_process_memory_fraction, or the GPU's memory), the allocator
-  first frees oversize cached segments (with max_split_size set), then every cached segment that is
-  not split, and tries once more before it raises out-of-memory;
+  20 MiB (kLargeBuffer) for one below 10 MiB (kMinLargeAlloc), else the request rounded up to 2 MiB
+  (get_allocation_size); where that would pass the cap (set_per_process_memory_fraction, or the
+  GPU's memory), the allocator first frees oversize cached segments (with max_split_size set), then
+  every cached segment that is not split, and tries once more before it raises out-of-memory;
 - a freed block merges with its free neighbours in the same segment; blocks of different segments
   never merge.
-Not modelled: expandable segments, roundup_power2_divisions, garbage_collection_threshold, blocks whose
-free waits for another stream (record_stream), and CUDA graph pools.
+With expandable segments (expandable_segments:True), each stream and pool has one segment, a range of
+addresses (ExpandableSegment) of which pages are mapped as needed: 2 MiB pages for the small pool,
+20 MiB for the large one. With no free block, the lowest unmapped stretch of the stream whose space,
+with the free block just before it, holds the request is mapped (only the shortfall, in whole pages)
+and merged with that free block (try_allocate_expandable_block); among free blocks, best fit counts a
+block's unmapped tail as its own (get_free_block's expandable_size). The cap is checked against
+get_allocation_size as above; on the way to out-of-memory every whole page of a free block is
+unmapped (release_blocks, unmap_block). Mapped and unmapped blocks never merge.
+Not modelled: roundup_power2_divisions, garbage_collection_threshold, blocks whose free waits for
+another stream (record_stream), and CUDA graph pools.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
+import os
 from dataclasses import dataclass, field
 
 MIN_BLOCK_SIZE = 512  # kMinBlockSize: every request is rounded up to a multiple of it
@@ -36,6 +45,9 @@ LARGE_BUFFER = 20 << 20  # kLargeBuffer: the segment of a request between 1 and 
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: from here a segment is the request's own size
 ROUND_LARGE = 2 << 20  # kRoundLarge: what such a segment is rounded up to
 NO_MAX_SPLIT = 1 << 64  # max_split_size unset (SIZE_MAX)
+# An expandable segment's range of addresses: the allocator reserves 1.125 x the GPU's memory in pages;
+# a model without the GPU takes more than any cap it is given can map.
+EXPANDABLE_RANGE = 1 << 48
 
 
 class OutOfMemory(Exception):
@@ -52,9 +64,13 @@ class Block:
     allocated: bool = False
     prev: Block | None = None
     next: Block | None = None
+    mapped: bool = True  # False: an expandable segment's stretch of addresses with no memory behind it
 
     def key(self) -> tuple[int, int, int]:
         return (self.stream, self.size, self.address)
+
+    def unused(self) -> bool:
+        return self.mapped and not self.allocated
 
 
 @dataclass(eq=False)
@@ -75,9 +91,11 @@ class Segment:
 
 @dataclass
 class Pool:
-    """The free blocks of one pool, in the allocator's order: stream, size, address."""
+    """The free blocks of one pool, in the allocator's order: stream, size, address; and its expandable
+    segments' unmapped stretches, by stream and address."""
     keys: list[tuple[int, int, int]] = field(default_factory=list)
     blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
+    unmapped: dict[tuple[int, int], Block] = field(default_factory=dict)
 
     def insert(self, block: Block) -> None:
         key = block.key()
@@ -108,19 +126,22 @@ def segment_size(size: int) -> int:
 
 
 class CachingAllocator:
-    """One device's allocator. `cap`: the bytes it may reserve (None: no limit). `place_segment(size)`
-    gives a new segment's address (cudaMalloc's choice: a replay passes the recorded one; by default
-    each new segment lies above the last). `events` lists ("segment_alloc" | "segment_free", address,
-    size, stream) in order, as the allocator's own trace does."""
+    """One device's allocator. `cap`: the bytes it may reserve (None: no limit). `expandable`:
+    expandable segments. `place_segment(size)` gives a new segment's address (cudaMalloc's choice, or
+    where an expandable segment's range begins: a replay passes the recorded one; by default each
+    new segment lies above the last). `events` lists ("segment_alloc" | "segment_free" |
+    "segment_map" | "segment_unmap", address, size, stream) in order, as the allocator's own trace."""
 
-    def __init__(self, *, cap: int | None = None, max_split_size: int | None = None, place_segment=None):
+    def __init__(self, *, cap: int | None = None, max_split_size: int | None = None, expandable: bool = False,
+                 place_segment=None):
         self.cap = cap
         self.max_split_size = NO_MAX_SPLIT if max_split_size is None else max_split_size
+        self.expandable = expandable
         self.small_pool, self.large_pool = Pool(), Pool()
         self.segments: dict[int, Segment] = {}
         self.reserved = self.allocated = self.reserved_peak = self.allocated_peak = 0
         self.events: list[tuple[str, int, int, int]] = []
-        bump = itertools.count(1 << 40, 1 << 30)
+        bump = itertools.count(1 << 40, EXPANDABLE_RANGE if expandable else 1 << 30)
         self.place_segment = place_segment or (lambda size: next(bump))
 
     # --- malloc --------------------------------------------------------------------------------------
@@ -130,7 +151,7 @@ class CachingAllocator:
         pool = self.small_pool if small else self.large_pool
         block = self._free_block(pool, size, stream)
         if block is None:
-            block = self._new_segment(size, stream, small)
+            block = self._alloc_block(pool, size, stream, small)
         if self._should_split(block, size):
             rest = Block(block.address + size, block.size - size, stream, small, block.segment,
                          prev=block, next=block.next)
@@ -144,10 +165,19 @@ class CachingAllocator:
         return block
 
     def _free_block(self, pool: Pool, size: int, stream: int) -> Block | None:
-        """get_free_block: the best fit of this stream, taken out of the pool."""
-        block = pool.lower_bound((stream, size, 0))
-        if block is None or block.stream != stream:
+        """get_free_block: the best fit of this stream, taken out of the pool. With expandable segments
+        a block is as large as it can grow (its unmapped tail counted): the search moves on to the next
+        larger block while that one can grow less."""
+        i = bisect.bisect_left(pool.keys, (stream, size, 0))
+        if i == len(pool.keys) or pool.keys[i][0] != stream:
             return None
+        block = pool.blocks[pool.keys[i]]
+        if self.expandable:
+            while i + 1 < len(pool.keys) and pool.keys[i + 1][0] == stream:
+                following = pool.blocks[pool.keys[i + 1]]
+                if expandable_size(following) >= expandable_size(block):
+                    break
+                i, block = i + 1, following
         if size < self.max_split_size <= block.size:
             return None  # do not return an oversized block for a smaller request
         if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
@@ -155,34 +185,128 @@ class CachingAllocator:
         pool.remove(block)
         return block
 
-    def _new_segment(self, size: int, stream: int, small: bool) -> Block:
-        """alloc_block, and what the allocator tries before it gives up: oversize cached segments
-        freed (release_available_cached_blocks), then every cached segment (release_cached_blocks)."""
-        to_reserve = segment_size(size)
-        if not self._fits(to_reserve):
-            pool = self.small_pool if small else self.large_pool
-            if not (self._release_oversize(pool, size, stream) and self._fits(to_reserve)):
-                self._release_cached()
-                if not self._fits(to_reserve):
-                    raise OutOfMemory(f"{to_reserve} bytes more would pass the cap of {self.cap} "
-                                      f"({self.reserved} reserved, {self.allocated} allocated)")
-        address = self.place_segment(to_reserve)
-        segment = Segment(address, to_reserve, stream, small)
-        segment.first = Block(address, to_reserve, stream, small, segment)
+    def _alloc_block(self, pool: Pool, size: int, stream: int, small: bool) -> Block:
+        """alloc_block, and what the allocator tries before it gives up: oversize cached segments freed
+        (release_available_cached_blocks), then every cached segment (release_cached_blocks)."""
+        block = self._new_memory(pool, size, stream, small)
+        if block is None and self._release_oversize(pool, size, stream):
+            block = self._new_memory(pool, size, stream, small)
+        if block is None:
+            self._release_cached()
+            block = self._new_memory(pool, size, stream, small)
+        if block is None:
+            raise OutOfMemory(f"{segment_size(size)} bytes more would pass the cap of {self.cap} "
+                              f"({self.reserved} reserved, {self.allocated} allocated)")
+        return block
+
+    def _new_memory(self, pool: Pool, size: int, stream: int, small: bool) -> Block | None:
+        """A segment cudaMalloc'd, or an expandable segment's pages mapped; None past the cap, which is
+        checked against the segment the request would get either way (alloc_block: p.alloc_size)."""
+        if self.cap is not None and self.reserved + segment_size(size) > self.cap:
+            return None
+        if self.expandable:
+            return self._expand(pool, size, stream, small)
+        address = self.place_segment(segment_size(size))
+        segment = Segment(address, segment_size(size), stream, small)
+        segment.first = Block(address, segment.size, stream, small, segment)
         self.segments[address] = segment
-        self.reserved += to_reserve
-        self.reserved_peak = max(self.reserved_peak, self.reserved)
-        self.events.append(("segment_alloc", address, to_reserve, stream))
+        self._reserve(segment.size)
+        self.events.append(("segment_alloc", address, segment.size, stream))
         return segment.first
 
-    def _fits(self, size: int) -> bool:
-        return self.cap is None or self.reserved + size <= self.cap
+    def _reserve(self, size: int) -> None:
+        self.reserved += size
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
 
     def _should_split(self, block: Block, size: int) -> bool:
         remaining = block.size - size
-        if block.small:
+        if block.small or self.expandable:
             return remaining >= MIN_BLOCK_SIZE
         return size < self.max_split_size and remaining > SMALL_SIZE
+
+    # --- expandable segments -------------------------------------------------------------------------
+    def _expand(self, pool: Pool, size: int, stream: int, small: bool) -> Block:
+        """try_allocate_expandable_block: the lowest unmapped stretch of this stream that, with the free
+        block before it, has room (find_expandable_block; a new segment where none has), mapped as far
+        as the request needs and merged with that block; taken out of the pool."""
+        candidate = None
+        for key in sorted(k for k in pool.unmapped if k[0] == stream):
+            block = pool.unmapped[key]
+            if block.prev is not None and block.prev.unused():
+                block = block.prev
+            if room_from(block) >= size:
+                candidate = block
+                break
+        if candidate is None:
+            address = self.place_segment(EXPANDABLE_RANGE)
+            segment = Segment(address, EXPANDABLE_RANGE, stream, small)
+            segment.first = candidate = Block(address, EXPANDABLE_RANGE, stream, small, segment, mapped=False)
+            self.segments[address] = segment
+            pool.unmapped[(stream, address)] = candidate
+        if not candidate.mapped:
+            candidate = self._map(pool, candidate, min(candidate.size, size))
+        while candidate.size < size:
+            candidate = self._map(pool, candidate.next, min(size - candidate.size, candidate.next.size))
+        pool.remove(candidate)
+        return candidate
+
+    def _map(self, pool: Pool, block: Block, size: int) -> Block:
+        """map_block: the pages from the unmapped `block`'s start that hold `size` bytes get memory; the
+        rest stays unmapped; the mapped part merges with free neighbours and joins the pool."""
+        page = SMALL_BUFFER if block.small else LARGE_BUFFER
+        mapped = page * -(-size // page)
+        del pool.unmapped[(block.stream, block.address)]
+        if mapped < block.size:
+            rest = Block(block.address + mapped, block.size - mapped, block.stream, block.small, block.segment,
+                         prev=block, next=block.next, mapped=False)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, mapped
+            pool.unmapped[(rest.stream, rest.address)] = rest
+        block.mapped = True
+        self._reserve(mapped)
+        self.events.append(("segment_map", block.address, mapped, block.stream))
+        self._merge_free_neighbours(pool, block)
+        pool.insert(block)
+        return block
+
+    def _unmap(self, pool: Pool, block: Block) -> None:
+        """unmap_block: the whole pages inside the free `block` lose their memory; what is left before
+        and after them stays a free block; the unmapped part merges with unmapped neighbours."""
+        page = SMALL_BUFFER if block.small else LARGE_BUFFER
+        base = block.segment.address
+        begin = base + page * -(-(block.address - base) // page)
+        end = base + page * ((block.address + block.size - base) // page)
+        if end <= begin:
+            return
+        pool.remove(block)
+        if block.address < begin:  # the part before the first whole page stays mapped and free
+            before = Block(block.address, begin - block.address, block.stream, block.small, block.segment,
+                           prev=block.prev, next=block)
+            if block.prev is not None:
+                block.prev.next = before
+            else:
+                block.segment.first = before
+            block.prev = before
+            pool.insert(before)
+        if end < block.address + block.size:
+            after = Block(end, block.address + block.size - end, block.stream, block.small, block.segment,
+                          prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = after
+            block.next = after
+            pool.insert(after)
+        block.address, block.size, block.mapped = begin, end - begin, False
+        self.reserved -= block.size
+        self.events.append(("segment_unmap", block.address, block.size, block.stream))
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.mapped:
+                del pool.unmapped[(neighbour.stream, neighbour.address)]
+                self._absorb(block, neighbour)
+        pool.unmapped[(block.stream, block.address)] = block
+        if block.prev is None and block.next is None:  # release_expandable_segment: nothing mapped is left
+            del pool.unmapped[(block.stream, block.address)]
+            del self.segments[block.segment.address]
 
     # --- free ----------------------------------------------------------------------------------------
     def free(self, block: Block) -> None:
@@ -191,27 +315,36 @@ class CachingAllocator:
         block.allocated = False
         self.allocated -= block.size
         pool = self.small_pool if block.small else self.large_pool
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                pool.remove(neighbour)
-                if neighbour is block.prev:
-                    block.address, block.prev = neighbour.address, neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                    else:
-                        block.segment.first = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
+        self._merge_free_neighbours(pool, block)
         pool.insert(block)
+
+    def _merge_free_neighbours(self, pool: Pool, block: Block) -> None:
+        """try_merge_blocks with each neighbour: only free, mapped ones, taken out of the pool."""
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.unused():
+                pool.remove(neighbour)
+                self._absorb(block, neighbour)
+
+    @staticmethod
+    def _absorb(block: Block, neighbour: Block) -> None:
+        """`neighbour` (block.prev or block.next) becomes part of `block`."""
+        if neighbour is block.prev:
+            block.address, block.prev = neighbour.address, neighbour.prev
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                block.segment.first = block
+        else:
+            block.next = neighbour.next
+            if block.next is not None:
+                block.next.prev = block
+        block.size += neighbour.size
 
     # --- giving memory back ------------------------------------------------------------------------------
     def _release_oversize(self, pool: Pool, size: int, stream: int) -> bool:
-        """release_available_cached_blocks: only with max_split_size set; one cached oversize segment
-        large enough, else the largest ones of this stream until enough is freed."""
-        if self.max_split_size == NO_MAX_SPLIT:
+        """release_available_cached_blocks: only with max_split_size set, never an expandable block; one
+        cached oversize segment large enough, else the largest ones of this stream until enough is freed."""
+        if self.max_split_size == NO_MAX_SPLIT or self.expandable:
             return False
         wanted = max(size, self.max_split_size)
         i = bisect.bisect_left(pool.keys, (stream, wanted, 0))
@@ -231,10 +364,13 @@ class CachingAllocator:
         return released >= wanted
 
     def _release_cached(self) -> None:
-        """release_cached_blocks: every free block that is a whole segment goes back to CUDA."""
+        """release_cached_blocks: every free block that is a whole segment goes back to CUDA; with
+        expandable segments, every free block's whole pages are unmapped."""
         for pool in (self.large_pool, self.small_pool):
             for block in [pool.blocks[k] for k in pool.keys]:
-                if block.prev is None and block.next is None:
+                if self.expandable:
+                    self._unmap(pool, block)
+                elif block.prev is None and block.next is None:
                     self._release(pool, block)
 
     def _release(self, pool: Pool, block: Block) -> None:
@@ -246,51 +382,82 @@ class CachingAllocator:
     # --- what it holds -------------------------------------------------------------------------------
     def snapshot(self) -> list[list]:
         """Each segment as torch.cuda.memory._snapshot() lists it: [address, size, stream, large pool,
-        [[block size, allocated], ...]], in address order."""
-        return [[s.address, s.size, s.stream, not s.small, [[b.size, b.allocated] for b in s.blocks()]]
-                for s in sorted(self.segments.values(), key=lambda s: s.address)]
+        [[block size, allocated], ...]], in address order; of an expandable segment, each stretch of
+        mapped pages is one."""
+        out = []
+        for segment in sorted(self.segments.values(), key=lambda s: s.address):
+            run: list = []
+            for block in [*segment.blocks(), None]:
+                if block is not None and block.mapped:
+                    if not run:
+                        run = [block.address, 0, segment.stream, not segment.small, []]
+                    run[1] += block.size
+                    run[4].append([block.size, block.allocated])
+                elif run:
+                    out.append(run)
+                    run = []
+        return out
+
+
+def expandable_size(block: Block) -> int:
+    """What a free block of an expandable segment can grow to: itself and the unmapped stretch after it."""
+    after = block.next
+    return block.size + (after.size if after is not None and not after.mapped else 0)
+
+
+def room_from(block: Block) -> int:
+    """The bytes from `block` on that no allocation holds, up to the first that one does."""
+    room = 0
+    while block is not None and not block.allocated:
+        room += block.size
+        block = block.next
+    return room
+
+
+SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
+
+
+def expandable_in(alloc_conf: str | None) -> bool:
+    """Whether a PYTORCH_CUDA_ALLOC_CONF turns expandable segments on."""
+    return "expandable_segments:true" in (alloc_conf or "").replace(" ", "").lower()
 
 
 def replay_recording(record: dict) -> CachingAllocator:
-    """Replays an allocator history recorded on a GPU (scripts/record_allocator.py: its events and the
-    segments at the end) through the model, and raises AssertionError at the first event where the
-    model parts from the allocator: a segment made (or freed) that the allocator did not make, of
-    another size, or a block placed at another address. Each new segment gets the address the
-    allocator's cudaMalloc returned, so that blocks of equal size are ordered as there. Returns the
-    model, whose snapshot() then equals the recording's last segments."""
-    if "expandable_segments:True" in record.get("alloc_conf", "").replace(" ", ""):
-        raise ValueError("the model does not replay expandable segments")
-    pending: list[tuple[int, int]] = []  # a recorded segment_alloc the model has not made yet
+    """Replays an allocator history recorded on a GPU (scripts/record_allocator.py: its settings, events
+    and the segments at the end) through the model, and raises AssertionError at the first event where
+    the model parts from the allocator: a segment made, freed, mapped or unmapped that the allocator did
+    not (or not there, or of another size), or a block placed at another address. Each new segment (or
+    expandable segment's range) begins at the address the allocator got from CUDA, so that blocks of
+    equal size are ordered as there. Returns the model, whose snapshot() then equals the recording's
+    last segments."""
+    recorded: list[tuple] = []  # the recorded segment events since the last request
+    made = 0  # the model's events before the request being replayed
 
     def place_segment(size: int) -> int:
-        assert pending, f"the model makes a segment of {size} bytes the allocator did not make"
-        address, recorded_size = pending.pop()
-        assert size == recorded_size, f"the model makes a segment of {size} bytes, the allocator {recorded_size}"
-        return address
+        index = len(allocator.events) - made
+        assert index < len(recorded), f"the model makes a segment of {size} bytes the allocator did not make"
+        return recorded[index][1]
 
-    allocator = CachingAllocator(place_segment=place_segment)
+    allocator = CachingAllocator(expandable=expandable_in(record.get("alloc_conf")), place_segment=place_segment)
     blocks: dict[int, Block] = {}
     for index, (action, address, size, stream) in enumerate(record["events"]):
         where = f"event {index} ({action} of {size} bytes at {address:#x})"
-        if action == "segment_alloc":
-            assert not pending, f"{where}: the previous recorded segment was not made by the model"
-            pending.append((address, size))
+        if action in SEGMENT_ACTIONS:
+            recorded.append((action, address, size, stream))
         elif action == "alloc":
             made = len(allocator.events)
             try:
                 block = allocator.malloc(size, stream)
             except AssertionError as e:
                 raise AssertionError(f"{where}: {e}") from None
-            assert not pending, f"{where}: the allocator made a segment here, the model found a free block"
+            assert allocator.events[made:] == recorded, \
+                f"{where}: the model's segment events {allocator.events[made:]}, the allocator's {recorded}"
             assert block.address == address, f"{where}: the model places it at {block.address:#x}"
-            assert all(e[0] == "segment_alloc" for e in allocator.events[made:]), \
-                f"{where}: the model freed a cached segment the allocator kept"
+            recorded = []
             blocks[address] = block
         elif action == "free_completed":
+            assert not recorded, f"{where}: the allocator changed its segments between requests: {recorded}"
             allocator.free(blocks.pop(address))
-        elif action == "segment_free":
-            assert ("segment_free", address, size, stream) in allocator.events, \
-                f"{where}: the allocator freed a segment the model keeps"
         elif action != "free_requested":
             raise ValueError(f"{where}: an action the model does not replay")
     assert allocator.snapshot() == sorted(record["segments"]), "the segments at the end differ"
@@ -313,9 +480,9 @@ def requests_of_recording(record: dict) -> list[tuple[str, int, int, int]]:
 
 
 def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None = None,
-                 max_split_size: int | None = None) -> CachingAllocator:
+                 max_split_size: int | None = None, expandable: bool = False) -> CachingAllocator:
     """The requests through a model allocator under `cap`; raises OutOfMemory where the allocator would."""
-    allocator = CachingAllocator(cap=cap, max_split_size=max_split_size)
+    allocator = CachingAllocator(cap=cap, max_split_size=max_split_size, expandable=expandable)
     blocks: dict[int, Block] = {}
     for action, ident, size, stream in requests:
         if action == "alloc":
@@ -326,18 +493,62 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
 
 
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, max_split_size: int | None = None,
-                 granularity: int = SMALL_BUFFER) -> int:
+                 expandable: bool = False, granularity: int = SMALL_BUFFER) -> int:
     """The smallest cap, a multiple of `granularity` (segments are whole multiples of 2 MiB), under which
     the requests run without an out-of-memory error: searched by bisection between the allocated peak
     (no cap can be lower) and the reserved peak without a cap (which always suffices)."""
-    free_run = run_requests(requests, max_split_size=max_split_size)
+    free_run = run_requests(requests, max_split_size=max_split_size, expandable=expandable)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
     while low < high:
         middle = (low + high) // 2
         try:
-            run_requests(requests, cap=middle * granularity, max_split_size=max_split_size)
+            run_requests(requests, cap=middle * granularity, max_split_size=max_split_size, expandable=expandable)
             high = middle
         except OutOfMemory:
             low = middle + 1
     return high * granularity
+
+
+def allocator_needs(requests: list[tuple[str, int, int, int]]) -> dict[str, dict[str, int]]:
+    """What one rank's requests (a peak trace's, predict/peak.py) need from the caching allocator:
+    `reserved_peak_bytes`, the most it reserves with no cap, and `min_allocator_cap_bytes`, the
+    smallest cap under which they run, each per allocator setting ("default", "expandable_segments")."""
+    settings = {"default": False, "expandable_segments": True}
+    return {"reserved_peak_bytes": {name: run_requests(requests, expandable=expandable).reserved_peak
+                                    for name, expandable in settings.items()},
+            "min_allocator_cap_bytes": {name: smallest_cap(requests, expandable=expandable)
+                                        for name, expandable in settings.items()}}
+
+
+def allocator_setting(alloc_conf: str | None = None) -> tuple[str, str]:
+    """The allocator setting of PYTORCH_CUDA_ALLOC_CONF (`alloc_conf`, else this process's):
+    "expandable_segments" or "default", and the text that names its options the model leaves out
+    ("" where none)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if alloc_conf is None else alloc_conf
+    options = [o.strip() for o in conf.split(",") if o.strip()]
+    others = [o for o in options if not o.replace(" ", "").lower().startswith("expandable_segments:")]
+    setting = "expandable_segments" if expandable_in(conf) else "default"
+    return setting, (f"; PYTORCH_CUDA_ALLOC_CONF's {', '.join(others)} not modelled" if others else "")
+
+
+# What a CUDA process holds on its GPU outside PyTorch's caching allocator (the CUDA context, cuBLAS's
+# and cuDNN's handles, NCCL's communicator, loaded kernels) after a training step: the device's used
+# memory less the allocator's reserve (torch.cuda.mem_get_info), as verify measures it on CUDA
+# (outside_allocator_after_step). Measured on one H200 at N=1, torch 2.11.0+cu130, for the case study
+# and gpt-1b alike: 1.29 GiB with torch's own DDP, 1.67 GiB with DeepSpeed (ZeRO-2), whose kernels and
+# streams add to it (docs/results/1xh200/issue21/figures.json).
+OUTSIDE_ALLOCATOR_MEASURED = {"torch": 1389166592, "deepspeed": 1800208384}
+OUTSIDE_ALLOCATOR_SOURCE = ("measured at N=1 on one H200 with torch 2.11.0+cu130, docs/results/1xh200/issue21; "
+                            "other GPUs and CUDA versions differ, and more ranks add NCCL's buffers per communicator")
+
+
+def outside_allocator_bytes(needs_deepspeed: bool) -> int:
+    """The bytes a rank's process holds outside the allocator, as measured (OUTSIDE_ALLOCATOR_MEASURED):
+    with DeepSpeed's engine, or with torch's own strategies (DDP, FSDP2)."""
+    return OUTSIDE_ALLOCATOR_MEASURED["deepspeed" if needs_deepspeed else "torch"]
+
+
+def outside_allocator_source() -> str:
+    """Where outside_allocator_bytes comes from, for a table's caption."""
+    return OUTSIDE_ALLOCATOR_SOURCE

@@ -16,6 +16,7 @@ and buffers a kernel allocates and frees inside one operation (invisible at the 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import traceback
@@ -24,6 +25,7 @@ import warnings
 import torch
 
 from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
+from zerolens.predict.allocator import allocator_needs
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
 from zerolens.units import MiB
@@ -34,29 +36,38 @@ from zerolens.units import MiB
 STEPS = 3
 
 
-def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
-    """What the cuBLAS workspaces hold once forward and backward have run: one workspace per cuBLAS
-    handle, and a training step uses two (the main thread's in forward, autograd's thread in
-    backward), plus 1 MiB. Per handle: CUBLAS_WORKSPACE_CONFIG where set (":KiB:count" pairs, as
-    torch reads it), else 32 MiB from compute capability 9.0 on (65 MiB in all, measured on H200)
-    and, below 9.0, 4 MiB x 2 + 16 KiB x 8, assumed from torch's source and not measured. None: no
-    CUDA, no workspaces."""
+def cublas_workspaces(capability: tuple[int, int] | None) -> dict[str, list[int]]:
+    """The cuBLAS workspaces a training step allocates, per phase that first allocates them: one per
+    cuBLAS handle, and a step uses two (the main thread's in forward, with 1 MiB more beside it, and
+    autograd's thread's in backward); allocated at a phase's first matrix product and never freed
+    (on H200: 32 MiB and 1 MiB at forward's first, 32 MiB at backward's, tests/fixtures/allocator).
+    Per handle: CUBLAS_WORKSPACE_CONFIG where set (":KiB:count" pairs, as torch reads it), else 32 MiB
+    from compute capability 9.0 on and, below 9.0, 4 MiB x 2 + 16 KiB x 8, assumed from torch's source
+    and not measured. None: no CUDA, no workspaces."""
     if capability is None:
-        return 0
+        return {}
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     pairs = re.findall(r":(\d+):(\d+)", config or "")
     if pairs:
         per_handle = sum(int(kib) * 1024 * int(count) for kib, count in pairs)
     else:
         per_handle = 32 * MiB if capability[0] >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
-    return 2 * per_handle + 1 * MiB
+    return {"forward": [per_handle, 1 * MiB], "backward": [per_handle]}
 
 
-def totals_tracker():
+def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
+    """What the cuBLAS workspaces hold once forward and backward have run (65 MiB on H200)."""
+    return sum(sum(sizes) for sizes in cublas_workspaces(capability).values())
+
+
+def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
     """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
     figures at every operation, which the prediction does not read: that took most of the time of
-    gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's).
+    With `requests`, every storage of `device_type` it sees allocated or freed is appended to it, in
+    order, as the caching allocator would be asked: ("alloc", id, bytes, stream) and ("free", id, 0,
+    stream), on stream 0 (predict/allocator.py)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
     class TotalsTracker(MemTracker):
         def _update_peak_stats(self, peak_state) -> None:
@@ -64,6 +75,19 @@ def totals_tracker():
                 if self._peak_mem.get(device, 0) < snap["Total"]:
                     self._peak_mem[device] = snap["Total"]
                     self._peak_mem_snap[device] = dict(snap)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            if requests is not None and winfo.device.type == device_type and u_type != _UpdateType.REF:
+                # A resize frees the storage's memory and allocates the new size (FSDP2's all-gather buffers).
+                if u_type in (_UpdateType.DEL, _UpdateType.SIZE) and id(winfo) in live:
+                    requests.append(("free", live.pop(id(winfo)), 0, 0))
+                if u_type in (_UpdateType.ADD, _UpdateType.SIZE) and winfo.mem_consumed > 0:
+                    live[id(winfo)] = next(ids)
+                    requests.append(("alloc", live[id(winfo)], winfo.mem_consumed, 0))
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    live: dict[int, int] = {}  # a tracked storage's id -> its request's
+    ids = itertools.count()
     return TotalsTracker()
 
 
@@ -82,7 +106,10 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
     model = meta_model(model_config)  # built outside FakeTensorMode, which then gives it fake storage
     device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
-    tracker = totals_tracker()
+    # For a CUDA target, what the caching allocator is asked, in order (the workspaces' included).
+    requests: list | None = [] if cuda_capability is not None else None
+    workspaces = cublas_workspaces(cuda_capability)
+    tracker = totals_tracker(requests, device.type)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
@@ -96,6 +123,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         @contextlib.contextmanager
         def phase(name: str, into: dict):
             reset_tracker_peak(tracker)
+            if requests is not None and len(traced) == 1:  # the first step allocates the workspaces
+                requests.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
             yield
             into[name] = tracker_total(tracker, "peak")
 
@@ -118,7 +147,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         held = tracker_total(tracker, "current")
     workspace = cublas_workspace_bytes(cuda_capability)
     out = {f"peak_during_{phase}": max(t[phase] for t in traced) + workspace for phase in PHASES}
-    return out | {"peak_bytes": max(out.values()),
+    needs = allocator_needs(requests) if requests is not None else {}
+    return out | needs | {"peak_bytes": max(out.values()),
                   "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
                   "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
                   "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,

@@ -99,6 +99,31 @@ PEAK_COLUMNS = {"param": "params", "grad": "grads", "optimizer_state": "optimize
                 "allocator_slack": "allocator rounding"}
 
 
+def reserved_table(summary: dict) -> str:
+    """Each rank's reserved peak over the run, predicted for the run's allocator setting beside
+    measured, the smallest cap predicted, and the memory measured outside the allocator."""
+    from zerolens.predict.allocator import allocator_setting
+    setting, unmodelled = allocator_setting(summary.get("alloc_conf") or "")
+    rows = []
+    for name, s in summary["strategies"].items():
+        for r in s["ranks"]:
+            predicted = (r.get("predicted_peaks") or {}).get("reserved_peak_bytes", {}).get(setting)
+            measured = r.get("reserved_peak_bytes")
+            if predicted is None:
+                continue
+            cap = r["predicted_peaks"]["min_allocator_cap_bytes"][setting]
+            rows.append([name, r["rank"], mib(predicted), mib(measured),
+                         "-" if not measured else f"{predicted / measured - 1:+.2%}", mib(cap),
+                         mib(r.get("outside_allocator_after_step"))])
+    if not rows:
+        return ""
+    return (f"\n\nThe allocator as this run set it: {setting.replace('_', ' ')}{unmodelled}. Outside the allocator: "
+            "what the process held on the GPU beside the allocator's reserve after the last step (the device's used "
+            "memory less the reserve, other processes on the GPU included).\n\n"
+            + markdown_table(["strategy", "rank", "predicted reserved peak", "measured reserved peak", "error",
+                              "predicted smallest cap", "outside the allocator"], rows))
+
+
 def peak_prediction_section(summary: dict) -> str:
     """Each phase's peak, predicted before training (predict/peak.py) beside measured: on CUDA the
     highest over the steps, on the CPU the last step's (what each measures)."""
@@ -119,10 +144,12 @@ def peak_prediction_section(summary: dict) -> str:
     if not rows and not why_not:
         return ""
     table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error",
-                            *(["reserved peak", "reserved - allocated (not predicted)"] if cuda else [])], rows)
-    fragmentation = (" Not predicted: fragmentation, what the allocator has reserved from the driver beyond what "
-                     "it has allocated (its cached blocks and their unused parts); the last two columns show it "
-                     "at each phase's highest reserve." if cuda else "")
+                            *(["reserved peak", "reserved - allocated"] if cuda else [])], rows)
+    fragmentation = (" The last two columns: what the allocator had reserved from the driver at each phase's "
+                     "highest, and how much of it was not allocated (its cached blocks and their unused parts). "
+                     "The reserved peak of the run, predicted by replaying the trace's allocations through a model "
+                     "of the caching allocator (predict/allocator.py), follows." + reserved_table(summary)
+                     if cuda else "")
     cuda = ("; on CUDA the cuBLAS workspaces are added, and each phase's peak is its highest over the steps "
             "traced" if cuda else "")
     return f"""

@@ -1,6 +1,7 @@
 """From the per-rank results gathered on rank 0 to summary.json: figures, predictions, checks, notes."""
 from __future__ import annotations
 
+import os
 from statistics import median
 
 from zerolens.report.checks import (
@@ -57,6 +58,7 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         "census_block_rounding_after_step": last.get("census_block_rounding_after_step"),
         "leftover_bytes_at_end": last.get("leftover_bytes_at_end"),
         "reserved_after_step": last.get("reserved_after_step"),
+        "outside_allocator_after_step": last.get("outside_allocator_after_step"),
         "peak_during_forward": peak("peak_during_forward"),
         "peak_during_backward": peak("peak_during_backward"),
         "peak_during_step": peak("peak_during_step"),
@@ -166,6 +168,8 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
         "baseline": config.baseline, "steps": config.steps, "param_count": sum(param_numels),
         "notes": notes, "headline_notes": headline_notes, "checks": checks, "not_checked": not_checked,
         "strategies": strategies, "versions": versions,
+        # The allocator's settings the ranks ran under (CUDA), which its model's prediction follows.
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config.device == "cuda" else None,
     }
 
 

@@ -91,7 +91,10 @@ def init_distributed(config: RunConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(device)
         if config.memory_limit_gib:
             total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, config.memory_limit_gib * 2**30 / total), device)
+            # Segments are whole 2 MiB: half of that above the limit changes nothing but keeps the fraction's
+            # float rounding from taking a limit that is a segment boundary (plan --check's caps) below it.
+            limit = config.memory_limit_gib * 2**30 + 2**20
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
         dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
