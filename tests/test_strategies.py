@@ -45,3 +45,44 @@ def zero3_and_torchs_linear(rank, world_size):
 def test_zero3_puts_torchs_linear_back_at_its_teardown():
     """So the strategies after it run in the same processes, not in a second launch."""
     assert spawn(zero3_and_torchs_linear, world_size=1, timeout=180) == [(True, True)]
+
+
+def ddp_buckets_against_the_step_model(rank, world_size):
+    """Real DDP's bucket buffers in the first and the third backward (after its rebuild), and the DDP
+    step model's buffers after its first and second forward, on the same model."""
+    import dataclasses
+
+    import torch
+
+    from zerolens.models.data import make_batch
+    from zerolens.strategies import TrainSettings, loss_of
+    from zerolens.strategies.ddp import TorchDDPStepModel
+    config = dataclasses.replace(PRESETS["gpt-tiny"], d_model=512, num_heads=8, ffn_dim=2048, num_layers=6, seq_len=16)
+    ddp = nn.parallel.DistributedDataParallel(build_model(config, 0))
+    real: dict[int, list[int]] = {}
+
+    def remember(state, bucket):
+        real.setdefault(step, []).append(bucket.buffer().numel())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    ddp.register_comm_hook(None, remember)
+    model = TorchDDPStepModel(TrainSettings(precision="fp32", world_size=1), rank=0, cuda=False)
+    model.setup(build_model(config, 0), torch.device("cpu"))
+    modelled = []
+    for step in range(3):
+        tokens, labels = make_batch(config, step, seed=0, batch_size=1, signal=0.8)
+        loss_of(ddp(tokens), labels).backward()
+        model.backward(model.forward_loss(tokens, labels))
+        modelled.append([b.numel() for b in model.bucket_buffers.values()])
+    return real[0], real[2], modelled[0], modelled[1]
+
+
+@pytest.mark.slow
+def test_the_ddp_step_model_rebuilds_the_buckets_ddp_rebuilds():
+    """DDP's first backward fills one bucket of every gradient; its rebuild makes one per bucket of its
+    size limits, in the order the gradients came: the step model (the peak trace's) makes the same."""
+    first, rebuilt, modelled_first, modelled_rebuilt = spawn(ddp_buckets_against_the_step_model, world_size=1,
+                                                             timeout=180)[0]
+    assert len(first) == 1 and modelled_first == first
+    assert len(rebuilt) > 2 and modelled_rebuilt == rebuilt

@@ -93,11 +93,12 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
 
 def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                   cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None,
-                  steps: int = STEPS) -> dict:
+                  steps: int = STEPS, requests: list | None = None) -> dict:
     """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase over
     the steps (`peak_during_<phase>`) and of the last one (`last_step`), the highest (`peak_bytes`), what is held
     after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
-    ("cpu" or "cuda") overrides where the step is traced (trace_device); `steps`, how many."""
+    ("cpu" or "cuda") overrides where the step is traced (trace_device); `steps`, how many. For a CUDA
+    target, the allocations handed to the allocator model are appended to `requests` where given."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerolens.measure.tracker import reset_tracker_peak, tracker_total
@@ -107,7 +108,10 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     model = meta_model(model_config)  # built outside FakeTensorMode, which then gives it fake storage
     device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
     # For a CUDA target, what the caching allocator is asked, in order (the workspaces' included).
-    requests: list | None = [] if cuda_capability is not None else None
+    if cuda_capability is None:
+        requests = None
+    elif requests is None:
+        requests = []
     workspaces = cublas_workspaces(cuda_capability)
     tracker = totals_tracker(requests, device.type)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase

@@ -89,9 +89,10 @@ class TorchDDP(ScaledStrategy):
 class TorchDDPStepModel(TorchDDP):
     """What DDP allocates on one rank, without a process group, for the peak prediction
     (predict/peak.py): the same model, autocast, optimizer and step; the Reducer's buckets (a flat
-    copy of every gradient, made at construction and kept) as one buffer of the layout's size,
-    freed and made anew in the second forward (the rebuild). The all-reduce works in place in the buckets and
-    allocates nothing."""
+    copy of every gradient, made at construction and kept): at first one bucket of every gradient,
+    which DDP makes while it does not yet know the order the gradients come in, then, in the second
+    forward, one per bucket of DDP's size limits in the order the first backward produced them
+    (the rebuild). The all-reduce works in place in the buckets and allocates nothing."""
 
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool):
         super().__init__(settings)
@@ -99,9 +100,13 @@ class TorchDDPStepModel(TorchDDP):
 
     def wrap(self, module, device):
         # The gradients' dtype: fp32, as the weights under autocast (layout.torch_ddp_layout).
-        numel = sum(p.numel() for p in module.parameters())
-        self.bucket_buffers[0] = torch.empty(numel, dtype=torch.float32, device=device)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.bucket_buffers[0] = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
         self.forwards = 0
+        # The order the first backward accumulates the gradients in, which DDP's autograd hooks record.
+        self.ready: list[int] = []
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.ready.append(i))
+                      for i, p in enumerate(params)]
         return module
 
     def forward_loss(self, tokens, labels):
@@ -109,8 +114,12 @@ class TorchDDPStepModel(TorchDDP):
             # The rebuild in the second forward: Reducer::initialize_buckets clears the old buckets
             # (buckets_.clear()) before it makes the new ones. On 2xH200 the second step's forward
             # peak is the later steps' (docs/results/2xh200/issue14/matrix/, gpt-1b-mb4-ckpt).
-            size = self.bucket_buffers.pop(0).shape
-            self.bucket_buffers[0] = torch.empty(size, dtype=torch.float32, device=self.device)
+            for hook in self.hooks:
+                hook.remove()
+            self.bucket_buffers.clear()
+            for index, numel in enumerate(rebuilt_bucket_numels([p for p in self.module.parameters() if p.requires_grad],
+                                                                self.ready)):
+                self.bucket_buffers[index] = torch.empty(numel, dtype=torch.float32, device=self.device)
         self.forwards += 1
         return super().forward_loss(tokens, labels)
 
@@ -122,3 +131,16 @@ class TorchDDPStepModel(TorchDDP):
         # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on
         # the CPU it would not.
         return {} if self.settings.fused_adam else {"foreach": self.cuda}
+
+
+def rebuilt_bucket_numels(params: list, ready: list[int]) -> list[int]:
+    """The elements of each bucket DDP rebuilds after its first backward, in order: the parameters
+    (`params`, DDP's order) taken in the order their gradients became ready (`ready`, indices into
+    `params`; any not seen last), grouped by torch's own bucket assignment under DistributedDataParallel's
+    default limits (the 1 MiB first bucket, then 25 MiB), as Reducer::rebuild_buckets groups them."""
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed
+    order = list(dict.fromkeys(ready)) + [i for i in range(len(params)) if i not in set(ready)]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, distributed._DEFAULT_BUCKET_CAP_MB * 2**20]
+    buckets, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits, [False] * len(order), order)
+    return [sum(params[i].numel() for i in bucket) for bucket in buckets]
