@@ -43,9 +43,9 @@ from zerolens.units import GiB, MiB
 
 # A configuration whose predicted need leaves less than this share of the memory fits only if the
 # prediction errs by less. The allocator model replays recorded allocator histories exactly, but the
-# allocations of zerolens's own trace are not yet the GPU's: on one H200, gpt-1b's reserved peak was
-# predicted 3.4% low (DDP) and its smallest cap too low to run, for DDP and ZeRO-2 alike
-# (docs/results/1xh200/issue21/). Such configurations are ranked after those with more room.
+# allocations of zerolens's own trace are not yet the GPU's: on one H200, gpt-1b's smallest cap was
+# predicted up to 0.47% low for DDP, and its reserved peak 13.8% high for ZeRO-2 with the default
+# allocator (docs/results/1xh200/issue21/). Such configurations are ranked after those with more room.
 PREDICTION_MARGIN = 0.05
 
 MEMORY_UNITS = {"": GiB, "gib": GiB, "mib": MiB, "tib": 1024 * GiB, "gb": 10**9, "mb": 10**6, "tb": 10**12}

@@ -133,14 +133,16 @@ class TorchDDPStepModel(TorchDDP):
         return {} if self.settings.fused_adam else {"foreach": self.cuda}
 
 
+DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, 25 MiB (its documentation)
+
+
 def rebuilt_bucket_numels(params: list, ready: list[int]) -> list[int]:
     """The elements of each bucket DDP rebuilds after its first backward, in order: the parameters
     (`params`, DDP's order) taken in the order their gradients became ready (`ready`, indices into
     `params`; any not seen last), grouped by torch's own bucket assignment under DistributedDataParallel's
     default limits (the 1 MiB first bucket, then 25 MiB), as Reducer::rebuild_buckets groups them."""
     import torch.distributed as dist
-    from torch.nn.parallel import distributed
     order = list(dict.fromkeys(ready)) + [i for i in range(len(params)) if i not in set(ready)]
-    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, distributed._DEFAULT_BUCKET_CAP_MB * 2**20]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES]
     buckets, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits, [False] * len(order), order)
     return [sum(params[i].numel() for i in bucket) for bucket in buckets]
