@@ -69,5 +69,5 @@ with gzip.open(args.out, "wt") as f:
 print(f"{args.strategy} {args.model}: {len(events)} events (trace: {len(trace)} requests); allocated peak "
       f"{record['max_memory_allocated']} (predicted {predicted['peak_bytes']}), reserved peak "
       f"{record['max_memory_reserved']} (the trace through the model: {record['trace_reserved_peak']})")
-strategy.teardown() if hasattr(strategy, "teardown") else None
+strategy.teardown()
 dist.destroy_process_group()

@@ -124,8 +124,8 @@ WAITING_CODE = ("/torch/distributed/", "/deepspeed/comm/", "/torch/cuda/")
 
 def rank_pids() -> list[int]:
     """The launcher's workers: the processes this one started, directly or through its fork server,
-    that lead a process group of their own (torch's launcher starts a spawned rank in a session of
-    its own, and a forked one starts one itself: worker.launched_rank). The fork server and
+    that lead a process group of their own (each rank starts a session of its own first thing:
+    worker.launched_rank; torch's launcher starts a binary in one). The fork server and
     multiprocessing's resource tracker are in this process's group and are left alone. A rank's PID
     is not reused before its parent reaps it; the launcher reaps from another thread, so a rank that
     exits between this list and the signal could, in principle, lose its PID to another process in
