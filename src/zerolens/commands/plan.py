@@ -5,11 +5,12 @@ Pure computation (`plan`) apart from presentation (`render_plan`) and from the s
 `--check` (`check_candidates`), which confirm on GPUs that the best candidates fit.
 
 A configuration is a strategy, a micro-batch per rank, activation checkpointing on or off, and (for
-strategies with a reduce bucket) a bucket size. It fits when the highest predicted peak of its ranks
-is at most the memory given for the caching allocator. Candidates are ranked by what they cost per
-step besides the model's own compute: recomputation first (checkpointing runs about one more forward
-per step), then the bytes each rank sends per sample (the registry's `communication`, per step,
-over the samples of a step), then the peak.
+strategies with a reduce bucket) a bucket size. It fits when what its neediest rank needs, the
+smallest cap under which the caching allocator runs its predicted allocations plus the memory the
+process holds outside the allocator, is at most the GPU's memory. Candidates with room come first,
+then by what they cost per step besides the model's own compute: recomputation first (checkpointing
+runs about one more forward per step), then the bytes each rank sends per sample (the registry's
+`communication`, per step, over the samples of a step), then the need.
 """
 from __future__ import annotations
 

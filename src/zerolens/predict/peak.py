@@ -9,9 +9,10 @@ so no tensor has memory (a 70B model costs nothing), and torch's MemTracker foll
 at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS). A training
 worker, which has a process group of its own, predicts in a fresh process (run/prediction.py).
 
-On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor).
-Not predicted: the allocator's rounding beyond 512 bytes, fragmentation (reserved minus allocated),
-and buffers a kernel allocates and frees inside one operation (invisible at the dispatch level).
+On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor), and
+the allocations the trace sees, in order, go through the model of the caching allocator
+(predict/allocator.py): the reserved peak and the smallest cap each rank needs. Not seen: buffers a
+kernel allocates and frees inside one operation (invisible at the dispatch level).
 """
 from __future__ import annotations
 
