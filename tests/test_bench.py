@@ -9,6 +9,7 @@ from conftest import zerolens
 from zerolens.models.data import lm_batch
 from zerolens.models.model import PRESETS, build_model, num_params, parameter_shapes, training_flops_per_token
 from zerolens.report.bench import datasheet_peak
+from zerolens.units import GiB as GIB
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +142,29 @@ def test_bench_shows_each_ranks_phase_peaks_beside_the_prediction():
     cpu = bench_summary(dataclasses.replace(config, device="cpu"), [[rank_result(1)], [rank_result(1)]], 10_000,
                         "cpu", {}, predicted)
     assert cpu["strategies"]["ddp"]["phase_peaks"] == [] and "Peaks per phase" not in render_bench(cpu, "x")
+
+
+def test_bench_sets_the_reserved_peak_beside_the_allocator_models(monkeypatch):
+    """On CUDA bench reads the allocator's reserved peak over the steps (StepTimer) and sets it beside
+    the one predicted for the run's allocator setting, the largest rank's of each."""
+    from zerolens.models.model import PRESETS
+    from zerolens.report.bench import bench_summary, render_bench
+    from zerolens.run.config import RunConfig
+    config = RunConfig(strategies=("ddp",), baseline="ddp", nproc=2, device="cuda", precision="bf16", steps=2,
+                       warmup_steps=1, job="bench", preset="gpt-tiny", model=PRESETS["gpt-tiny"])
+
+    def rank_result(reserved):
+        return {"name": "ddp", "seconds": [0.1, 0.1, 0.1], "losses": [6.0, 5.0, 4.0], "settings": {}, "notes": [],
+                "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0,
+                "reserved_peak_bytes": reserved}
+    predicted = {"ddp": {"ranks": [{"peak_bytes": 2000, "reserved_peak_bytes": {"default": 4 * GIB, "expandable_segments": 3 * GIB},
+                                    **{f"peak_during_{p}": 2000 for p in ("forward", "backward", "step")}}] * 2}}
+    for conf, predicted_reserved in (("", 4 * GIB), ("expandable_segments:True", 3 * GIB)):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        summary = bench_summary(config, [[rank_result(3 * GIB)], [rank_result(5 * GIB)]], 10_000, "NVIDIA H200", {},
+                                predicted)
+        ddp = summary["strategies"]["ddp"]
+        assert ddp["reserved_peak_bytes"] == 5 * GIB and ddp["predicted_reserved_peak_bytes"] == predicted_reserved
+        assert ddp["reserved_prediction_error"] == pytest.approx(predicted_reserved / (5 * GIB) - 1)
+        text = " ".join(render_bench(summary, "zerolens bench").split())
+        assert f"ddp 5.000 GiB measured, {predicted_reserved / GIB:.3f} predicted" in text

@@ -17,6 +17,7 @@ class StepTimer:
         self.device, self.warmup_steps = device, warmup_steps
         self.cuda = device.type == "cuda"
         self.highest = 0  # CUDA: the allocator's peak since setup, over the per-phase resets
+        self.highest_reserved = 0  # and its reserve's
 
     def label(self, strategy, steps_done: int) -> str:
         return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
@@ -50,6 +51,7 @@ class StepTimer:
             yield
             return
         self.highest = max(self.highest, torch.cuda.max_memory_allocated())
+        self.highest_reserved = max(self.highest_reserved, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         yield
         record[f"peak_during_{name}"] = torch.cuda.max_memory_allocated()
@@ -64,6 +66,8 @@ class StepTimer:
             run.measured["peak_bytes"] = None
             return
         run.measured["peak_bytes"] = max(self.highest, torch.cuda.max_memory_allocated())
+        # What the caching allocator reserved at its highest over the steps (setup's reserve is still held then).
+        run.measured["reserved_peak_bytes"] = max(self.highest_reserved, torch.cuda.max_memory_reserved())
         for key in dict.fromkeys(k for r in run.records for k in r if k.startswith("peak_during_")):
             run.measured[key] = max(r.get(key, 0) for r in run.records)
 

@@ -10,6 +10,7 @@ with a probe that only times them (measure.StepTimer); this module holds the sum
 """
 from __future__ import annotations
 
+import os
 from statistics import median
 
 from zerolens.models.data import make_batch
@@ -39,15 +40,24 @@ def datasheet_peak(device_name: str, precision: str) -> float | None:
     return DATASHEET_PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
-def predicted_peak(config, prediction: dict | None, measured: int | None) -> dict:
+def predicted_peak(config, prediction: dict | None, measured: int | None, measured_reserved: int | None = None,
+                   alloc_conf: str = "") -> dict:
     """The largest rank's peak as predicted before training, and its error against the measured one
-    (CUDA); or why it was not predicted."""
+    (CUDA); on CUDA also the largest rank's reserved peak, predicted for the run's allocator setting
+    (`alloc_conf`, its PYTORCH_CUDA_ALLOC_CONF) beside measured; or why it was not predicted."""
+    from zerolens.predict.allocator import allocator_setting
     if not prediction or "ranks" not in prediction:
         return {"predicted_peak_bytes": None,
                 "peak_not_predicted": (prediction or {}).get("why_not", "not predicted in this run")}
     peak = max(r["peak_bytes"] for r in prediction["ranks"])
-    return {"predicted_peak_bytes": peak,
-            "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}
+    out = {"predicted_peak_bytes": peak,
+           "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}
+    if config.device == "cuda" and all("reserved_peak_bytes" in r for r in prediction["ranks"]):
+        setting, _ = allocator_setting(alloc_conf)
+        reserved = max(r["reserved_peak_bytes"][setting] for r in prediction["ranks"])
+        out |= {"predicted_reserved_peak_bytes": reserved, "allocator_setting": setting,
+                "reserved_prediction_error": reserved / measured_reserved - 1 if measured_reserved else None}
+    return out
 
 
 def phase_peaks(config, per_rank: list[dict], prediction: dict | None, earlier: int) -> list[dict]:
@@ -92,6 +102,8 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
         # peaks, which are then kept aside under a name that says so, never reported as its own.
         earlier = max(r.get("earlier_strategies_left_bytes", 0) for r in per_rank)
         peak = max(peaks) if None not in peaks and not earlier else None
+        reserved_peaks = [r.get("reserved_peak_bytes") for r in per_rank]
+        reserved = max(reserved_peaks) if None not in reserved_peaks and not earlier else None
         strategies[name] = {
             "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
             "warmup_step_times_s": step_seconds[:config.warmup_steps],
@@ -105,7 +117,9 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
             "peak_bytes_including_earlier_strategies_per_rank": peaks if earlier else None,
             "left_allocated_after_teardown_bytes": per_rank[0].get("left_allocated_by_this_strategy_bytes", 0),
             "losses": per_rank[0]["losses"], "settings": per_rank[0]["settings"], "notes": per_rank[0]["notes"],
-            **predicted_peak(config, (predicted or {}).get(name), peak),
+            "reserved_peak_bytes": reserved,
+            **predicted_peak(config, (predicted or {}).get(name), peak, reserved,
+                             os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
             "phase_peaks": phase_peaks(config, per_rank, (predicted or {}).get(name), earlier),
         }
     for s in strategies.values():
@@ -146,6 +160,15 @@ def render_bench(summary: dict, command: str) -> str:
     peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
             if summary["device"] == "cuda" else
             "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
+    reserved = [f"{name} {s['reserved_peak_bytes'] / GiB:.3f} GiB measured, {s['predicted_reserved_peak_bytes'] / GiB:.3f} "
+                f"predicted" + ("" if s["reserved_prediction_error"] is None else f" ({s['reserved_prediction_error']:+.2%})")
+                for name, s in summary["strategies"].items()
+                if s.get("predicted_reserved_peak_bytes") is not None and s.get("reserved_peak_bytes") is not None]
+    if reserved:
+        setting = next(s["allocator_setting"] for s in summary["strategies"].values() if "allocator_setting" in s)
+        peak += (" Reserved peak (what the caching allocator held from the driver at its highest; the largest rank), "
+                 "predicted by replaying the trace's allocations through a model of the allocator "
+                 f"({setting.replace('_', ' ')}): " + "; ".join(reserved) + ".")
     phase_rows = [[name, r["rank"], r["phase"], "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MiB:.1f}",
                    "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.1f}",
                    "-" if r["error"] is None else f"{r['error']:+.2%}"]
