@@ -493,11 +493,14 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
 
 
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, max_split_size: int | None = None,
-                 expandable: bool = False, granularity: int = SMALL_BUFFER) -> int:
+                 expandable: bool = False, granularity: int = SMALL_BUFFER,
+                 uncapped: CachingAllocator | None = None) -> int:
     """The smallest cap, a multiple of `granularity` (segments are whole multiples of 2 MiB), under which
     the requests run without an out-of-memory error: searched by bisection between the allocated peak
-    (no cap can be lower) and the reserved peak without a cap (which always suffices)."""
-    free_run = run_requests(requests, max_split_size=max_split_size, expandable=expandable)
+    (no cap can be lower) and the reserved peak without a cap (which always suffices; `uncapped`: that
+    run, where the caller has it)."""
+    free_run = uncapped if uncapped is not None else run_requests(requests, max_split_size=max_split_size,
+                                                                  expandable=expandable)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
     while low < high:
@@ -514,11 +517,12 @@ def allocator_needs(requests: list[tuple[str, int, int, int]]) -> dict[str, dict
     """What one rank's requests (a peak trace's, predict/peak.py) need from the caching allocator:
     `reserved_peak_bytes`, the most it reserves with no cap, and `min_allocator_cap_bytes`, the
     smallest cap under which they run, each per allocator setting ("default", "expandable_segments")."""
-    settings = {"default": False, "expandable_segments": True}
-    return {"reserved_peak_bytes": {name: run_requests(requests, expandable=expandable).reserved_peak
-                                    for name, expandable in settings.items()},
-            "min_allocator_cap_bytes": {name: smallest_cap(requests, expandable=expandable)
-                                        for name, expandable in settings.items()}}
+    out: dict[str, dict[str, int]] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}}
+    for name, expandable in {"default": False, "expandable_segments": True}.items():
+        uncapped = run_requests(requests, expandable=expandable)
+        out["reserved_peak_bytes"][name] = uncapped.reserved_peak
+        out["min_allocator_cap_bytes"][name] = smallest_cap(requests, expandable=expandable, uncapped=uncapped)
+    return out
 
 
 def allocator_setting(alloc_conf: str | None = None) -> tuple[str, str]:
