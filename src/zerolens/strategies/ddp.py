@@ -100,13 +100,13 @@ class TorchDDPStepModel(TorchDDP):
 
     def wrap(self, module, device):
         # The gradients' dtype: fp32, as the weights under autocast (layout.torch_ddp_layout).
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.bucket_buffers[0] = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        self.params = [p for p in module.parameters() if p.requires_grad]  # DDP's order
+        self.bucket_buffers[0] = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
         self.forwards = 0
         # The order the first backward accumulates the gradients in, which DDP's autograd hooks record.
         self.ready: list[int] = []
         self.hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.ready.append(i))
-                      for i, p in enumerate(params)]
+                      for i, p in enumerate(self.params)]
         return module
 
     def forward_loss(self, tokens, labels):
@@ -117,8 +117,7 @@ class TorchDDPStepModel(TorchDDP):
             for hook in self.hooks:
                 hook.remove()
             self.bucket_buffers.clear()
-            for index, numel in enumerate(rebuilt_bucket_numels([p for p in self.module.parameters() if p.requires_grad],
-                                                                self.ready)):
+            for index, numel in enumerate(rebuilt_bucket_numels(self.params, self.ready)):
                 self.bucket_buffers[index] = torch.empty(numel, dtype=torch.float32, device=self.device)
         self.forwards += 1
         return super().forward_loss(tokens, labels)
@@ -142,7 +141,8 @@ def rebuilt_bucket_numels(params: list, ready: list[int]) -> list[int]:
     `params`; any not seen last), grouped by torch's own bucket assignment under DistributedDataParallel's
     default limits (the 1 MiB first bucket, then 25 MiB), as Reducer::rebuild_buckets groups them."""
     import torch.distributed as dist
-    order = list(dict.fromkeys(ready)) + [i for i in range(len(params)) if i not in set(ready)]
+    seen = dict.fromkeys(ready)
+    order = list(seen) + [i for i in range(len(params)) if i not in seen]
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES]
     buckets, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits, [False] * len(order), order)
     return [sum(params[i].numel() for i in bucket) for bucket in buckets]
