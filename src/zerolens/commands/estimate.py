@@ -15,7 +15,7 @@ from zerolens.errors import UserError
 from zerolens.models.model import PRESETS, load_user_function, parameter_shapes
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
-from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device
+from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device, traced_on
 from zerolens.report.tables import say
 from zerolens.run.flags import (
     PRESET_GPU_PRECISION,
@@ -79,7 +79,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     out |= {"micro_batch": micro_batch, "device": "cpu" if cuda_capability is None else "cuda",
             "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability)),
             # Where the peaks were traced: a CUDA target on fake CUDA tensors where a GPU is visible, else on the CPU.
-            "traced_on": trace_device(cuda_capability).type if model_config is not None else None}
+            "traced_on": traced_on(trace_device(cuda_capability)) if model_config is not None else None}
     return out
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from zerolens.errors import UserError
 from zerolens.models.model import CHECKPOINTABLE_KINDS, parameter_shapes
-from zerolens.predict.peak import target_capability, trace_caveat, trace_device
+from zerolens.predict.peak import target_capability, trace_caveat, trace_device, traced_on
 from zerolens.report.files import write_json
 from zerolens.report.tables import say
 from zerolens.run.config import RunConfig
@@ -200,7 +200,7 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     from zerolens.predict.allocator import allocator_setting
     return {"model": config.preset, "params": params, "width": config.model.d_model, "world_size": config.nproc,
             "precision": config.precision, "gpu_memory_bytes": memory, "allocator_setting": allocator_setting()[0],
-            "cuda_capability": ".".join(map(str, cuda_capability)), "traced_on": trace_device(cuda_capability).type,
+            "cuda_capability": ".".join(map(str, cuda_capability)), "traced_on": traced_on(trace_device(cuda_capability)),
             "micro_batches": sorted(micro_batches),
             "reduce_bucket_sizes": reduce_bucket_sizes, "fits": rows,
             "does_not_fit": sorted(too_large, key=lambda r: (r["strategy"], r["checkpointing"])),

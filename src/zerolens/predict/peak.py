@@ -27,6 +27,7 @@ import torch
 
 from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
 from zerolens.predict.allocator import allocator_needs
+from zerolens.predict.without_gpu import cuda_traceable, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
 from zerolens.units import MiB
@@ -107,7 +108,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     step_model = registry.spec(name).build_step_model(settings, rank=rank, cuda=cuda_capability is not None)
     tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
     model = meta_model(model_config)  # built outside FakeTensorMode, which then gives it fake storage
-    device = trace_device(cuda_capability) if trace_on is None else torch.device(trace_on)
+    device = torch.device("cpu") if trace_on == "cpu" else trace_device(cuda_capability)
     # For a CUDA target, what the caching allocator is asked, in order (the workspaces' included).
     if cuda_capability is None:
         requests = None
@@ -119,6 +120,9 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
         stack.enter_context(fake_process_group(rank, settings.world_size))
+        if cuda_capability is not None and not (device.type == "cuda" and torch.cuda.is_available()):
+            # No GPU traced on: what the GPU would do where this torch does otherwise without one.
+            stack.enter_context(gpu_behaviour(cuda_capability, on_cuda_tensors=device.type == "cuda"))
         gloo_copies = stack.enter_context(gloo_reduce_scatter_copies()) if cuda_capability is None else []
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
@@ -156,7 +160,7 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     return out | needs | {"peak_bytes": max(out.values()),
                   "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
                   "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
-                  "target": "cpu" if cuda_capability is None else "cuda", "traced_on": device.type,
+                  "target": "cpu" if cuda_capability is None else "cuda", "traced_on": traced_on(device),
                   "batch_bytes": tokens.nbytes + labels.nbytes,
                   # CPU: the largest tensor a gloo collective holds (checks.peak_prediction_check)
                   "gloo_late_free_bytes": max([*gloo_copies, getattr(step_model, "collective_buffer_bytes", 0)])
@@ -220,20 +224,37 @@ def target_capability(device: str) -> tuple[int, int] | None:
 
 
 def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
-    """Where the step is traced: for a CUDA target on fake CUDA tensors where this torch can make them
-    (a GPU is visible: CUDA's autocast rules, attention kernels and 512-byte rounding then apply),
-    else on the CPU, whose autocast saves less than CUDA's (docs/results/2xh200/issue14/)."""
-    if cuda_capability is not None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the step is traced: for a CUDA target on fake CUDA tensors where this torch can trace
+    them (without_gpu.cuda_traceable: a GPU is visible, or torch was built for CUDA), so that CUDA's
+    autocast rules, attention kernels and 512-byte rounding apply; else (a CPU-only build) on the CPU,
+    with the GPU's attention kernels (without_gpu.gpu_behaviour) but the CPU's autocast, which saves
+    less than CUDA's (docs/results/2xh200/issue14/)."""
+    if cuda_capability is None or not cuda_traceable():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+
+
+def traced_on(device: torch.device) -> str:
+    """Where a trace ran, as the JSON says it: "gpu" (fake CUDA tensors, a GPU visible), "cuda-without-
+    gpu" (fake CUDA tensors, no GPU: CUDA's autocast and the GPU's attention kernels applied), "cpu"
+    (CPU tensors: a CPU target's, or a CUDA target's in a CPU-only build of torch, with the GPU's
+    attention and dropout kernels and the allocator's 512-byte rounding but the CPU's autocast)."""
+    if device.type == "cpu":
+        return "cpu"
+    return "gpu" if torch.cuda.is_available() else "cuda-without-gpu"
 
 
 def trace_caveat(traced_on: str | None) -> str:
-    """What a CUDA target's table says where its peaks were traced on the CPU."""
-    if traced_on != "cpu":
-        return ""
-    return (", traced on the CPU as no GPU is visible: the CPU's autocast and attention kernels can allocate "
-            "otherwise than a GPU's")
+    """What a CUDA target's table says of where its peaks were traced."""
+    if traced_on == "gpu":
+        return ", traced on fake tensors of this machine's GPU"
+    if traced_on == "cuda-without-gpu":
+        return (", traced without a GPU, as a GPU of compute capability 9.0 would run it (docs/method.md: within "
+                "0.02% of the trace on an H200)")
+    if traced_on == "cpu":
+        return (", traced on the CPU as this torch is built for the CPU only: the CPU's autocast can allocate "
+                "otherwise than a GPU's")
+    return ""
 
 
 def not_predicted_yet(name: str) -> str:
