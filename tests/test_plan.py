@@ -106,7 +106,7 @@ def test_plan_command_json(cli):
     assert {r["strategy"] for r in out["does_not_fit"]} == {"zero2"}
     assert all(r["sent_per_step_bytes"] > 0 for r in out["fits"])
     import torch
-    assert out["traced_on"] in (("gpu",) if torch.cuda.is_available() else ("cpu", "cuda-without-gpu"))
+    assert out["traced_on"] == ("gpu" if torch.cuda.is_available() else "cpu")  # where the peaks were traced
 
 
 def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):

@@ -27,7 +27,7 @@ import torch
 
 from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
 from zerolens.predict.allocator import allocator_needs
-from zerolens.predict.without_gpu import cuda_traceable, gpu_behaviour
+from zerolens.predict.without_gpu import gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
 from zerolens.units import MiB
@@ -120,9 +120,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
         stack.enter_context(fake_process_group(rank, settings.world_size))
-        if cuda_capability is not None and not (device.type == "cuda" and torch.cuda.is_available()):
-            # No GPU traced on: what the GPU would do where this torch does otherwise without one.
-            stack.enter_context(gpu_behaviour(cuda_capability, on_cuda_tensors=device.type == "cuda"))
+        if cuda_capability is not None and device.type == "cpu":  # CPU tensors stand for the GPU's
+            stack.enter_context(gpu_behaviour(cuda_capability))
         gloo_copies = stack.enter_context(gloo_reduce_scatter_copies()) if cuda_capability is None else []
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
@@ -224,37 +223,28 @@ def target_capability(device: str) -> tuple[int, int] | None:
 
 
 def trace_device(cuda_capability: tuple[int, int] | None) -> torch.device:
-    """Where the step is traced: for a CUDA target on fake CUDA tensors where this torch can trace
-    them (without_gpu.cuda_traceable: a GPU is visible, or torch was built for CUDA), so that CUDA's
-    autocast rules, attention kernels and 512-byte rounding apply; else (a CPU-only build) on the CPU,
-    with the GPU's attention kernels (without_gpu.gpu_behaviour) but the CPU's autocast, which saves
-    less than CUDA's (docs/results/2xh200/issue14/)."""
-    if cuda_capability is None or not cuda_traceable():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    """Where the step is traced: a CUDA target on fake tensors of the visible GPU; without one (and
+    for a CPU target) on fake CPU tensors, which for a CUDA target do as the GPU would
+    (without_gpu.gpu_behaviour: CUDA's autocast, the GPU's attention and dropout kernels, the
+    allocator's 512-byte rounding). Fake CUDA tensors without a GPU are no way round: autograd needs
+    a CUDA device guard for them, which a CPU-only build of torch lacks, and the backends' own code
+    (FSDP2's streams, DeepSpeed's) asks the CUDA driver for devices."""
+    if cuda_capability is not None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def traced_on(device: torch.device) -> str:
-    """Where a trace ran, as the JSON says it: "gpu" (fake CUDA tensors, a GPU visible), "cuda-without-
-    gpu" (fake CUDA tensors, no GPU: CUDA's autocast and the GPU's attention kernels applied), "cpu"
-    (CPU tensors: a CPU target's, or a CUDA target's in a CPU-only build of torch, with the GPU's
-    attention and dropout kernels and the allocator's 512-byte rounding but the CPU's autocast)."""
-    if device.type == "cpu":
-        return "cpu"
-    return "gpu" if torch.cuda.is_available() else "cuda-without-gpu"
+    """Where a trace ran, as the JSON says it: "gpu" (fake tensors of the visible GPU) or "cpu"."""
+    return "gpu" if device.type == "cuda" else "cpu"
 
 
 def trace_caveat(traced_on: str | None) -> str:
     """What a CUDA target's table says of where its peaks were traced."""
     if traced_on == "gpu":
         return ", traced on fake tensors of this machine's GPU"
-    if traced_on == "cuda-without-gpu":
-        return (", traced without a GPU, as a GPU of compute capability 9.0 would run it (docs/method.md: within "
-                "0.02% of the trace on an H200)")
-    if traced_on == "cpu":
-        return (", traced on the CPU as this torch is built for the CPU only: the CPU's autocast can allocate "
-                "otherwise than a GPU's")
-    return ""
+    return (", traced on the CPU as no GPU is visible, with CUDA's autocast, attention and dropout kernels "
+            "(docs/method.md)")
 
 
 def not_predicted_yet(name: str) -> str:

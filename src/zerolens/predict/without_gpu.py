@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import torch
 
@@ -109,14 +110,6 @@ def _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale):
                                                                   is_causal, scale=scale)[0]
 
 
-def cuda_traceable() -> bool:
-    """Whether this torch can trace on fake CUDA tensors: where a GPU is visible, or where torch was
-    built for CUDA (or ROCm), whose CUDA device guard FakeTensorMode makes a no-op without a GPU. A
-    CPU-only build has no CUDA device guard, and autograd needs one for every CUDA tensor that
-    requires a gradient (torch::autograd::InputMetadata): there the trace runs on CPU tensors."""
-    return torch.cuda.is_available() or torch.version.cuda is not None or torch.version.hip is not None
-
-
 def fused_dropout(cpu_dropout):
     """F.dropout as on a GPU: in training, the fused kernel (native_dropout), which keeps a boolean
     mask for backward, where the CPU's multiplies by a noise tensor of the input's dtype
@@ -136,27 +129,135 @@ def round_as_cuda(info) -> int:
     return -(-info.size * info.element_size // 512) * 512
 
 
+# CUDA's autocast policy (aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE; the same in torch 2.6 to 2.13), op.overload, "" the
+# default overload. The CPU's own policy (autocast_mode.cpp, AutocastCPU) differs: it keeps pow,
+# softmax, layer_norm and the sums in the low precision, and casts cross-entropy's input to fp32.
+CUDA_LOWER_PRECISION = (
+    "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
+    "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
+    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell",
+    "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention")
+CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
+    "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
+    "logsumexp")
+CUDA_FP32_SET_OPT_DTYPE = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList")
+CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
+                "scatter_add")
+# Those the CPU's autocast already treats as CUDA's does: its own kernels stay (they cache weights' casts).
+CPU_SAME = {
+    "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear",
+    "_convolution.deprecated", "matmul", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
+    "conv_transpose3d.input", "prelu", "scaled_dot_product_attention", "cdist", "mse_loss", "cosine_embedding_loss",
+    "nll_loss", "nll_loss2d", "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss", "l1_loss", "huber_loss",
+    "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss", "kl_div",
+    "multilabel_margin_loss", "binary_cross_entropy_with_logits"}
+# The CPU's own autocast kernels CUDA has none of (or another policy for): they fall through, as on CUDA.
+CPU_ONLY = (
+    "conv1d.padding", "conv2d.padding", "conv3d.padding", "_addmm_activation", "mkldnn_rnn_layer", "_native_multi_head_attention", "avg_pool3d", "binary_cross_entropy",
+    "polar", "quantile", "quantile.scalar", "nanquantile", "nanquantile.scalar", "stft", "stft.center",
+    "grid_sampler_2d", "_grid_sampler_2d_cpu_fallback", "grid_sampler_3d", "trace", "view_as_complex",
+    "cross_entropy_loss", "max_pool3d", "adaptive_avg_pool3d", "reflection_pad1d", "reflection_pad2d",
+    "replication_pad1d", "replication_pad2d", "replication_pad3d", "stack", "cat", "index_copy")
+
+
+def _overload(name: str):
+    op, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, op, None)
+    return None if packet is None else getattr(packet, overload or "default", None)
+
+
+def _cast(value, dtype, eligible):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if eligible(value) and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype, eligible) for v in value)
+    return value
+
+
+def _floating(t: torch.Tensor) -> bool:  # autocast's is_eligible: floating point, not double
+    return t.is_floating_point() and t.dtype != torch.float64
+
+
+def _autocast_kernel(op, policy: str):
+    """A kernel of `op` under CUDA's autocast `policy`, for the AutocastCPU key: the operands cast as
+    CUDA's autocast casts them, then the op below autocast."""
+    exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+
+    def kernel(*args, **kwargs):
+        if policy == "lower":
+            low = torch.get_autocast_dtype("cpu")
+            args, kwargs = _cast(args, low, _floating), _cast(kwargs, low, _floating)
+        elif policy == "fp32":
+            args, kwargs = _cast(args, torch.float32, _floating), _cast(kwargs, torch.float32, _floating)
+        elif policy == "promote":
+            widest = torch.float32 if any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) else None
+            if widest:
+                args = _cast(args, widest, _floating)
+        elif policy == "set_dtype" and isinstance(args[0], torch.Tensor) and _floating(args[0]):
+            if dtype_index is not None and len(args) > dtype_index:
+                if args[dtype_index] is None:
+                    args = (*args[:dtype_index], torch.float32, *args[dtype_index + 1:])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            return op(*args, **kwargs)
+
+    return kernel
+
+
 @contextlib.contextmanager
-def gpu_behaviour(capability: tuple[int, int], on_cuda_tensors: bool):
-    """For the trace of a CUDA target where no GPU is visible: scaled_dot_product_attention runs the
-    kernel a GPU of `capability` would. On fake CUDA tensors (`on_cuda_tensors`) autocast("cuda")
-    works as on a GPU (bfloat16 as on sm80 and later); on the CPU tensors of a CPU-only build,
-    dropout keeps the GPU's boolean mask and each storage counts as the caching allocator would
-    count it. Restored afterwards, whatever happens."""
-    import torch.cuda.amp.common as amp_common
-    import torch.nn.functional as F
-    from torch.distributed._tools.mem_tracker import _WeakRefInfo
-    saved = (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, F.scaled_dot_product_attention,
-             F.dropout, _WeakRefInfo._calculate_mem_consumed)
-    if on_cuda_tensors:
-        amp_common.amp_definitely_not_available = lambda: False
-        torch.cuda.is_bf16_supported = lambda including_emulation=True: capability >= (8, 0)
-    else:
-        F.dropout = fused_dropout(saved[3])
-        _WeakRefInfo._calculate_mem_consumed = round_as_cuda
-    F.scaled_dot_product_attention = fused_attention(capability, saved[2])
+def cuda_autocast_on_cpu():
+    """autocast("cpu") with CUDA's policy in place of the CPU's, for the CPU tensors that stand for a
+    GPU's: each op of CUDA's lists gets a kernel on the AutocastCPU key that casts as CUDA's does, and
+    the CPU's own kernels fall through. The kernels go when the context ends (Library._destroy)."""
+    library = torch.library.Library("aten", "IMPL")
     try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the CPU's kernels are overridden: they are meant to be
+            register(library)
         yield
     finally:
-        (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported, F.scaled_dot_product_attention,
-         F.dropout, _WeakRefInfo._calculate_mem_consumed) = saved
+        library._destroy()
+
+
+def register(library) -> None:
+    """CUDA's autocast kernels on the AutocastCPU key of `library` (cuda_autocast_on_cpu)."""
+    for names, policy in ((CUDA_LOWER_PRECISION, "lower"), (CUDA_FP32, "fp32"),
+                          (CUDA_FP32_SET_OPT_DTYPE, "set_dtype"), (CUDA_PROMOTE, "promote")):
+        for name in names:
+            op = None if name in CPU_SAME else _overload(name)
+            if op is not None:
+                library.impl(op, _autocast_kernel(op, policy), "AutocastCPU")
+    for name in CPU_ONLY:
+        op = _overload(name)
+        if op is not None:
+            library.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
+
+
+@contextlib.contextmanager
+def gpu_behaviour(capability: tuple[int, int]):
+    """For the trace of a CUDA target on CPU tensors (no GPU visible): autocast casts as CUDA's does,
+    scaled_dot_product_attention runs the kernel a GPU of `capability` would, dropout keeps the GPU's
+    boolean mask, and each storage counts as the caching allocator counts it. Restored afterwards,
+    whatever happens."""
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import _WeakRefInfo
+    saved = F.scaled_dot_product_attention, F.dropout, _WeakRefInfo._calculate_mem_consumed
+    F.dropout = fused_dropout(saved[1])
+    _WeakRefInfo._calculate_mem_consumed = round_as_cuda
+    F.scaled_dot_product_attention = fused_attention(capability, saved[0])
+    try:
+        with cuda_autocast_on_cpu():
+            yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout, _WeakRefInfo._calculate_mem_consumed = saved

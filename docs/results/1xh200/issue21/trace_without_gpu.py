@@ -1,13 +1,12 @@
-"""A CUDA target's peak trace three ways, on the GPU machine: on fake tensors of the GPU ("gpu"), on
-fake CUDA tensors with the GPU hidden ("cuda-without-gpu": CUDA_VISIBLE_DEVICES empty), and on CPU
-tensors ("cpu": as a CPU-only build of torch traces). Each strategy's predicted peaks per phase and
-rank, and its allocator needs, for every point; the differences from the GPU's trace in the summary.
+"""A CUDA target's peak trace two ways, on the GPU machine: on fake tensors of the GPU ("gpu"), and on
+CPU tensors as where no GPU is visible ("cpu": predict/without_gpu.py). Each strategy's predicted
+peaks per phase and rank, and its allocator needs, for every point; the largest difference from the
+GPU's trace per point in the summary.
 
 python3 docs/results/1xh200/issue21/trace_without_gpu.py --out traces.json [--jobs 12] [--quick]
 """
 import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -32,10 +31,6 @@ POINTS = [
 QUICK = {"case-study-mb16", "gpt-100m-mb8", "hf-llama-tiny-mb4"}
 
 
-def hide_gpu():
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
 def trace(flags: list[str], strategy: str, mode: str) -> dict:
     import argparse as ap
 
@@ -51,7 +46,7 @@ def trace(flags: list[str], strategy: str, mode: str) -> dict:
     args = parser.parse_args(["plan", "--gpu-memory", "80", "--device", "cuda", "--nproc", "2", "--strategies",
                               strategy, *flags])
     config = config_from_args(args, gpus_visible=0, checked=True)
-    assert mode == "cpu" or (mode == "cuda-without-gpu") == (not torch.cuda.is_available())
+    assert mode == "cpu" or torch.cuda.is_available()
     started = time.perf_counter()
     result = predict_or_why_not(strategy, config.model, config.train_settings(), seed=config.seed,
                                 cuda_capability=(9, 0), trace_on="cpu" if mode == "cpu" else None, steps=3)
@@ -71,12 +66,9 @@ def main():
     args = parser.parse_args()
     points = [p for p in POINTS if not args.quick or p[0] in QUICK]
     jobs = [(label, flags, s, mode) for label, flags, strategies in points for s in strategies.split(",")
-            for mode in ("gpu", "cpu", "cuda-without-gpu")]
-    spawn = get_context("spawn")
-    with ProcessPoolExecutor(args.jobs, mp_context=spawn) as with_gpu, \
-            ProcessPoolExecutor(max(1, args.jobs // 3), mp_context=spawn, initializer=hide_gpu) as without:
-        futures = [((with_gpu if mode != "cuda-without-gpu" else without).submit(trace, flags, s, mode), label, s, mode)
-                   for label, flags, s, mode in jobs]
+            for mode in ("gpu", "cpu")]
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        futures = [(pool.submit(trace, flags, s, mode), label, s, mode) for label, flags, s, mode in jobs]
         out: dict = {}
         for future, label, s, mode in futures:
             try:
@@ -89,7 +81,7 @@ def main():
     for label, strategies in out.items():
         for s, modes in strategies.items():
             gpu = modes["gpu"].get("ranks")
-            for mode in ("cpu", "cuda-without-gpu"):
+            for mode in ("cpu",):
                 other = modes[mode].get("ranks")
                 if not gpu or not other:
                     continue

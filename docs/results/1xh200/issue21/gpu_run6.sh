@@ -1,10 +1,10 @@
-# One H200: the peak trace of a CUDA target on the GPU, on fake CUDA tensors with the GPU hidden, and on
-# CPU tensors (trace_without_gpu.py), the SDPA kernels the GPU picks, then the GPU tests.
+# One H200: the peak trace of a CUDA target on the GPU and on CPU tensors (trace_without_gpu.py), the SDPA
+# kernels the GPU picks beside without_gpu.sdpa_backend's, then the GPU tests.
 set -x
 python3 - > "$OUT/sdpa_choice.txt" 2>&1 <<'PY'
 import torch
 from zerolens.predict.without_gpu import sdpa_backend
-names = {int(b): b.name for b in torch.nn.attention.SDPBackend}
+names = {0: 'math', 1: 'flash_attention', 2: 'efficient_attention', 3: 'cudnn_attention', 4: 'overrideable'}
 print(torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_capability())
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for heads, kv, hd, mask, causal, gqa in ((4, 4, 32, False, False, False), (12, 12, 64, False, True, False),
@@ -16,7 +16,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         model = sdpa_backend(q, k, k, m, 0.0, causal, gqa, torch.cuda.get_device_capability())
         print(dtype, heads, kv, hd, mask, causal, gqa, "gpu:", real, "model:", model)
 PY
-timeout 420 python3 docs/results/1xh200/issue21/trace_without_gpu.py --out "$OUT/traces.json" --jobs 14 > "$OUT/traces.log" 2>&1
+timeout 420 python3 docs/results/1xh200/issue21/trace_without_gpu.py --out "$OUT/traces.json" --jobs 15 > "$OUT/traces.log" 2>&1
 tail -n 12 "$OUT/traces.log"
-timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/pytest_gpu.txt" 2>&1
+timeout 280 python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/pytest_gpu.txt" 2>&1
 tail -n 3 "$OUT/pytest_gpu.txt"; cat "$OUT/sdpa_choice.txt"
