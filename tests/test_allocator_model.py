@@ -173,3 +173,42 @@ def test_out_of_memory_unmaps_the_whole_pages_of_free_blocks_first():
                              ("segment_map", head.address + 60 * MiB, 60 * MiB, 0)]
     assert late.address == head.address + 60 * MiB and a.reserved == 100 * MiB
     assert [size for _, size, *_ in a.snapshot()] == [20 * MiB, 80 * MiB]  # the hole splits the segment in two
+
+
+@pytest.mark.parametrize("size, divisions, rounded", [
+    (1200 * 1024, 4, 1280 * 1024),  # between 1 and 2 MiB in four steps: 1280 KiB
+    (1 << 20, 4, 1 << 20),  # a power of two stays
+    (5 << 19, 2, 3 << 20),  # 2.5 MiB: between 2 and 4 MiB in two steps, 3 MiB
+    (5 << 20, 8, 5 << 20),  # on a step already
+    (1500, 4, 1536),  # 512 x 4 = 2048 or less: the 512-byte rounding alone
+    (2100, 4, 2560),
+])
+def test_roundup_power2_divisions_rounds_as_torch(size, divisions, rounded):
+    from zerolens.predict.allocator import ROUNDUP_INTERVALS, round_size
+    assert round_size(size, (divisions,) * ROUNDUP_INTERVALS) == rounded
+
+
+def test_the_users_alloc_conf_is_read_as_torch_reads_it():
+    from zerolens.predict.allocator import alloc_settings, allocator_setting
+    settings, others = alloc_settings("expandable_segments:True,max_split_size_mb:64,"
+                                      "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6")
+    assert settings["expandable"] and settings["max_split_size"] == 64 * MiB
+    # the first interval named sets those below it; ">" those after the last named
+    assert settings["roundup_divisions"] == (1,) * 9 + (2,) + (4,) * 6
+    assert others == ["garbage_collection_threshold:0.6 (it acts only under a memory fraction, "
+                      "set_per_process_memory_fraction)"]
+    assert allocator_setting("roundup_power2_divisions:4")[0] == "PYTORCH_CUDA_ALLOC_CONF"
+    assert allocator_setting("expandable_segments:True")[0] == "expandable_segments"
+    assert allocator_setting("")[0] == "default"
+    assert "backend:cudaMallocAsync not modelled" in allocator_setting("backend:cudaMallocAsync")[1]
+
+
+def test_roundup_power2_divisions_reserves_what_its_rounding_asks():
+    """Three requests of 1.2 MiB: rounded to 1.25 MiB with four divisions, each its own 2 MiB segment
+    in neither case (large requests below 10 MiB share 20 MiB segments), but the blocks are larger."""
+    from zerolens.predict.allocator import ROUNDUP_INTERVALS
+    plain, divided = CachingAllocator(), CachingAllocator(roundup_divisions=(4,) * ROUNDUP_INTERVALS)
+    for allocator in (plain, divided):
+        for _ in range(3):
+            allocator.malloc(1200 * 1024)
+    assert plain.allocated == 3 * 1200 * 1024 and divided.allocated == 3 * 1280 * 1024

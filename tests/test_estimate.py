@@ -166,6 +166,13 @@ def test_what_each_rank_needs_from_the_allocator_is_given(capsys, monkeypatch):
         table = " ".join(capsys.readouterr().out.split())
         needs = (rank["min_allocator_cap_bytes"][setting] + rank["outside_allocator_bytes"]) / 2**20
         assert "needs" in table and f"{needs:.2f}" in table.replace(",", "")
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:128")
+    # The user's own options: followed where the model has them, named where it has not.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,roundup_power2_divisions:[1:1,>:4],"
+                                                  "release_lock_on_cudamalloc:True")
+    own = run_json(capsys, "--preset", "case-study", "--strategies", "ddp", "--device", "cuda")
+    caps = own["strategies"]["ddp"]["ranks"][0]["min_allocator_cap_bytes"]
+    assert set(caps) == {"default", "expandable_segments", "PYTORCH_CUDA_ALLOC_CONF"}
     assert main(["estimate", "--preset", "case-study", "--strategies", "ddp", "--device", "cuda"]) == 0
-    assert "max_split_size_mb:128 not modelled" in " ".join(capsys.readouterr().out.split())
+    table = " ".join(capsys.readouterr().out.split())
+    assert "release_lock_on_cudamalloc:True not modelled" in table and "max_split_size_mb" not in table
+    assert f"{(caps['PYTORCH_CUDA_ALLOC_CONF'] + rank['outside_allocator_bytes']) / 2**20:.2f}" in table.replace(",", "")

@@ -28,8 +28,11 @@ and merged with that free block (try_allocate_expandable_block); among free bloc
 block's unmapped tail as its own (get_free_block's expandable_size). The cap is checked against
 get_allocation_size as above; on the way to out-of-memory every whole page of a free block is
 unmapped (release_blocks, unmap_block). Mapped and unmapped blocks never merge.
-Not modelled: roundup_power2_divisions, garbage_collection_threshold, blocks whose free waits for
-another stream (record_stream), and CUDA graph pools.
+The options of PYTORCH_CUDA_ALLOC_CONF it follows (alloc_settings): expandable_segments,
+max_split_size_mb, roundup_power2_divisions. garbage_collection_threshold acts only where a memory
+fraction is set (set_per_process_memory_fraction), not in a job that a GPU's own memory bounds: the
+smallest cap here is that memory. Not modelled: blocks whose free waits for another stream
+(record_stream), and CUDA graph pools.
 """
 from __future__ import annotations
 
@@ -112,8 +115,37 @@ class Pool:
         return self.blocks[self.keys[i]] if i < len(self.keys) else None
 
 
-def round_size(size: int) -> int:
-    return MIN_BLOCK_SIZE if size < MIN_BLOCK_SIZE else MIN_BLOCK_SIZE * -(-size // MIN_BLOCK_SIZE)
+def round_size(size: int, divisions: tuple[int, ...] | None = None) -> int:
+    """round_size: a multiple of 512 bytes; with roundup_power2_divisions, a request of more than 512
+    bytes x its interval's divisions is rounded up to the next of that many equal steps between the
+    powers of two around it (roundup_power2_next_division)."""
+    if size < MIN_BLOCK_SIZE:
+        return MIN_BLOCK_SIZE
+    parts = power2_divisions(size, divisions)
+    if parts > 1 and size > MIN_BLOCK_SIZE * parts:
+        if size & (size - 1) == 0:
+            return size
+        floor = 1 << (size.bit_length() - 1)
+        step = floor >> (parts.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        rounded = size & ~(step - 1)
+        return size if rounded == size else rounded + step
+    return MIN_BLOCK_SIZE * -(-size // MIN_BLOCK_SIZE)
+
+
+ROUNDUP_START = 1 << 20  # kRoundUpPowerOfTwoStart: the first interval of roundup_power2_divisions, 1 MiB
+ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB, 2 MiB, ..., 32 GiB and above
+
+
+def power2_divisions(size: int, divisions: tuple[int, ...] | None) -> int:
+    """roundup_power2_divisions(size): the divisions of the power-of-two interval holding `size` (one
+    per interval from 1 MiB on; below 1 MiB the first's), 0 where none are set."""
+    if not divisions:
+        return 0
+    start = ROUNDUP_START.bit_length() - 1
+    log_size = size.bit_length() - 1
+    return divisions[min(max(log_size - start, 0), ROUNDUP_INTERVALS - 1)]
 
 
 def segment_size(size: int) -> int:
@@ -133,10 +165,11 @@ class CachingAllocator:
     "segment_map" | "segment_unmap", address, size, stream) in order, as the allocator's own trace."""
 
     def __init__(self, *, cap: int | None = None, max_split_size: int | None = None, expandable: bool = False,
-                 place_segment=None):
+                 roundup_divisions: tuple[int, ...] | None = None, place_segment=None):
         self.cap = cap
         self.max_split_size = NO_MAX_SPLIT if max_split_size is None else max_split_size
         self.expandable = expandable
+        self.roundup_divisions = roundup_divisions
         self.small_pool, self.large_pool = Pool(), Pool()
         self.segments: dict[int, Segment] = {}
         self.reserved = self.allocated = self.reserved_peak = self.allocated_peak = 0
@@ -146,7 +179,7 @@ class CachingAllocator:
 
     # --- malloc --------------------------------------------------------------------------------------
     def malloc(self, requested: int, stream: int = 0) -> Block:
-        size = round_size(requested)
+        size = round_size(requested, self.roundup_divisions)
         small = size <= SMALL_SIZE
         pool = self.small_pool if small else self.large_pool
         block = self._free_block(pool, size, stream)
@@ -419,7 +452,7 @@ SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unma
 
 def expandable_in(alloc_conf: str | None) -> bool:
     """Whether a PYTORCH_CUDA_ALLOC_CONF turns expandable segments on."""
-    return "expandable_segments:true" in (alloc_conf or "").replace(" ", "").lower()
+    return bool(alloc_settings(alloc_conf or "")[0].get("expandable"))
 
 
 def replay_recording(record: dict) -> CachingAllocator:
@@ -438,7 +471,7 @@ def replay_recording(record: dict) -> CachingAllocator:
         assert index < len(recorded), f"the model makes a segment of {size} bytes the allocator did not make"
         return recorded[index][1]
 
-    allocator = CachingAllocator(expandable=expandable_in(record.get("alloc_conf")), place_segment=place_segment)
+    allocator = CachingAllocator(**alloc_settings(record.get("alloc_conf") or "")[0], place_segment=place_segment)
     blocks: dict[int, Block] = {}
     for index, (action, address, size, stream) in enumerate(record["events"]):
         where = f"event {index} ({action} of {size} bytes at {address:#x})"
@@ -479,10 +512,10 @@ def requests_of_recording(record: dict) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None = None,
-                 max_split_size: int | None = None, expandable: bool = False) -> CachingAllocator:
-    """The requests through a model allocator under `cap`; raises OutOfMemory where the allocator would."""
-    allocator = CachingAllocator(cap=cap, max_split_size=max_split_size, expandable=expandable)
+def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None = None, **settings) -> CachingAllocator:
+    """The requests through a model allocator of `settings` (CachingAllocator's: expandable,
+    max_split_size, roundup_divisions) under `cap`; raises OutOfMemory where the allocator would."""
+    allocator = CachingAllocator(cap=cap, **settings)
     blocks: dict[int, Block] = {}
     for action, ident, size, stream in requests:
         if action == "alloc":
@@ -492,47 +525,122 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
     return allocator
 
 
-def smallest_cap(requests: list[tuple[str, int, int, int]], *, max_split_size: int | None = None,
-                 expandable: bool = False, granularity: int = SMALL_BUFFER,
-                 uncapped: CachingAllocator | None = None) -> int:
+def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int = SMALL_BUFFER,
+                 uncapped: CachingAllocator | None = None, **settings) -> int:
     """The smallest cap, a multiple of `granularity` (segments are whole multiples of 2 MiB), under which
     the requests run without an out-of-memory error: searched by bisection between the allocated peak
     (no cap can be lower) and the reserved peak without a cap (which always suffices; `uncapped`: that
     run, where the caller has it)."""
-    free_run = uncapped if uncapped is not None else run_requests(requests, max_split_size=max_split_size,
-                                                                  expandable=expandable)
+    free_run = uncapped if uncapped is not None else run_requests(requests, **settings)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
     while low < high:
         middle = (low + high) // 2
         try:
-            run_requests(requests, cap=middle * granularity, max_split_size=max_split_size, expandable=expandable)
+            run_requests(requests, cap=middle * granularity, **settings)
             high = middle
         except OutOfMemory:
             low = middle + 1
     return high * granularity
 
 
-def allocator_needs(requests: list[tuple[str, int, int, int]]) -> dict[str, dict[str, int]]:
+def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str | None = None) -> dict[str, dict[str, int]]:
     """What one rank's requests (a peak trace's, predict/peak.py) need from the caching allocator:
     `reserved_peak_bytes`, the most it reserves with no cap, and `min_allocator_cap_bytes`, the
-    smallest cap under which they run, each per allocator setting ("default", "expandable_segments")."""
+    smallest cap under which they run, each per allocator setting: "default", "expandable_segments",
+    and "PYTORCH_CUDA_ALLOC_CONF" where this process's (or `alloc_conf`) sets an option the model
+    follows besides expandable segments (max_split_size_mb, roundup_power2_divisions)."""
     out: dict[str, dict[str, int]] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}}
-    for name, expandable in {"default": False, "expandable_segments": True}.items():
-        uncapped = run_requests(requests, expandable=expandable)
+    settings = {"default": {}, "expandable_segments": {"expandable": True}}
+    conf_settings, _ = alloc_settings(alloc_conf)
+    if set(conf_settings) - {"expandable"}:
+        settings[USER_SETTING] = conf_settings
+    for name, options in settings.items():
+        uncapped = run_requests(requests, **options)
         out["reserved_peak_bytes"][name] = uncapped.reserved_peak
-        out["min_allocator_cap_bytes"][name] = smallest_cap(requests, expandable=expandable, uncapped=uncapped)
+        out["min_allocator_cap_bytes"][name] = smallest_cap(requests, uncapped=uncapped, **options)
     return out
 
 
-def allocator_setting(alloc_conf: str | None = None) -> tuple[str, str]:
-    """The allocator setting of PYTORCH_CUDA_ALLOC_CONF (`alloc_conf`, else this process's):
-    "expandable_segments" or "default", and the text that names its options the model leaves out
-    ("" where none)."""
+USER_SETTING = "PYTORCH_CUDA_ALLOC_CONF"  # allocator_needs' key for the process's own allocator options
+
+
+def conf_options(conf: str) -> list[str]:
+    """PYTORCH_CUDA_ALLOC_CONF's "key:value" options, commas inside [...] kept (roundup_power2_divisions)."""
+    options, depth, current = [], 0, ""
+    for char in conf:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            options.append(current.strip())
+            current = ""
+        else:
+            current += char
+    options.append(current.strip())
+    return [o for o in options if o]
+
+
+def roundup_divisions(value: str) -> tuple[int, ...]:
+    """roundup_power2_divisions' value as torch parses it (AcceleratorAllocatorConfig): one count for every
+    interval, or "[size_mb:count,...,>:count]": each power-of-two size in MiB sets its interval, the first
+    also those below it, ">" those after the last named. Counts are powers of two (0: none)."""
+    divisions = [0] * ROUNDUP_INTERVALS
+    value = value.strip()
+    if not value.startswith("["):
+        return tuple([int(value)] * ROUNDUP_INTERVALS)
+    last, first = 0, True
+    for item in conf_options(value.strip("[]")):
+        key, _, count = item.partition(":")
+        if key.strip() == ">":
+            divisions[last + 1:] = [int(count)] * (ROUNDUP_INTERVALS - last - 1)
+            continue
+        megabytes = int(key)
+        if megabytes <= 0 or megabytes & (megabytes - 1):
+            raise ValueError(f"roundup_power2_divisions' intervals are powers of two, got {megabytes}")
+        index = min(megabytes.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:
+            divisions[:index] = [int(count)] * index
+            first = False
+        divisions[index] = int(count)
+        last = index
+    return tuple(divisions)
+
+
+def alloc_settings(alloc_conf: str | None = None) -> tuple[dict, list[str]]:
+    """PYTORCH_CUDA_ALLOC_CONF (`alloc_conf`, else this process's) as CachingAllocator's keyword
+    arguments (expandable, max_split_size, roundup_divisions), and the options the model does not
+    follow, as given. garbage_collection_threshold is among them, with why (module docstring)."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if alloc_conf is None else alloc_conf
-    options = [o.strip() for o in conf.split(",") if o.strip()]
-    others = [o for o in options if not o.replace(" ", "").lower().startswith("expandable_segments:")]
-    setting = "expandable_segments" if expandable_in(conf) else "default"
+    settings: dict = {}
+    others = []
+    for option in conf_options(conf):
+        key, _, value = option.partition(":")
+        key, value = key.strip(), value.strip()
+        try:
+            if key == "expandable_segments":
+                if value.lower() == "true":
+                    settings["expandable"] = True
+            elif key == "max_split_size_mb":
+                settings["max_split_size"] = int(float(value) * (1 << 20))
+            elif key == "roundup_power2_divisions":
+                if any(roundup_divisions(value)):
+                    settings["roundup_divisions"] = roundup_divisions(value)
+            elif key == "garbage_collection_threshold":
+                others.append(f"{option} (it acts only under a memory fraction, set_per_process_memory_fraction)")
+            else:
+                others.append(option)
+        except ValueError:
+            others.append(f"{option} (not understood)")
+    return settings, others
+
+
+def allocator_setting(alloc_conf: str | None = None) -> tuple[str, str]:
+    """The allocator setting of PYTORCH_CUDA_ALLOC_CONF (`alloc_conf`, else this process's), as
+    allocator_needs names it: "PYTORCH_CUDA_ALLOC_CONF" where it sets max_split_size_mb or
+    roundup_power2_divisions, else "expandable_segments" or "default"; and the text that names its
+    options the model leaves out ("" where none)."""
+    settings, others = alloc_settings(alloc_conf)
+    setting = (USER_SETTING if set(settings) - {"expandable"} else
+               "expandable_segments" if settings.get("expandable") else "default")
     return setting, (f"; PYTORCH_CUDA_ALLOC_CONF's {', '.join(others)} not modelled" if others else "")
 
 
