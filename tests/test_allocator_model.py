@@ -212,3 +212,21 @@ def test_roundup_power2_divisions_reserves_what_its_rounding_asks():
         for _ in range(3):
             allocator.malloc(1200 * 1024)
     assert plain.allocated == 3 * 1200 * 1024 and divided.allocated == 3 * 1280 * 1024
+
+
+@pytest.mark.parametrize("name", ["case-study-roundup4", "case-study-split64-roundup", "gpt2-roundup4",
+                                  "gpt2-split64-roundup"])
+def test_the_users_alloc_conf_is_replayed_as_the_allocator_ran_it(name):
+    """Recorded on an H200 under roundup_power2_divisions (alone, and with max_split_size_mb:64;
+    docs/results/1xh200/issue21/gpu_run7.sh): the requests are the program's own sizes, 15 of the case
+    study's and 1128 of GPT-2's rounded otherwise than to 512 bytes, and the model places every block
+    and segment as the allocator did."""
+    from zerolens.predict.allocator import alloc_settings, round_size
+    record = recording(name)
+    settings, _ = alloc_settings(record["alloc_conf"])
+    assert "roundup_divisions" in settings
+    sizes = [e[2] for e in record["events"] if e[0] == "alloc"]
+    assert any(round_size(s, settings["roundup_divisions"]) != round_size(s) for s in sizes)
+    model = replay_recording(record)
+    assert model.snapshot() == sorted(record["segments"])
+    assert (model.allocated_peak, model.reserved_peak) == (record["max_memory_allocated"], record["max_memory_reserved"])
