@@ -145,3 +145,11 @@ def test_user_errors_are_one_line(cli, flags, message, tmp_path):
     result = cli("plan", "--preset", "gpt-tiny", *flags, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_the_depth_search_tells_each_trial():
+    memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
+    lines = []
+    deepest = plan.largest_depth(tiny("ddp"), memory, (9, 0), progress=lines.append)
+    assert len(lines) == len(deepest["traced"]) and lines[0].startswith("ddp: 1 layer needs ")
+    assert any(line.endswith("more than the memory") for line in lines)

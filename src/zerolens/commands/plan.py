@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import re
 import shlex
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from zerolens.errors import UserError
@@ -110,20 +110,28 @@ def with_depth(config: RunConfig, depth: int) -> RunConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=depth))
 
 
-def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int]) -> dict:
+def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int], *, predict=None,
+                  progress=None) -> dict:
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
     strategy, searched as `zerolens maxsize` searches by training (maxsize.largest_fitting_depth),
-    with a prediction in place of each trial (`traced`: every depth predicted and its need)."""
+    with a prediction in place of each trial (`traced`: every depth predicted and its need).
+    `predict(config, cuda_capability)`: where each trial is predicted (predicted_peak, or a pool's
+    worker); `progress(line)` hears of each trial."""
     from zerolens.commands.maxsize import largest_fitting_depth, max_fitting
     traced: dict[int, int] = {}
     why_not = []
+    name = config.strategies[0]
 
     def trial(depth: int) -> int | None:
-        predicted = predicted_peak(with_depth(config, depth), cuda_capability)
+        predicted = (predict or predicted_peak)(with_depth(config, depth), cuda_capability)
         if "why_not" in predicted:
             why_not.append(predicted["why_not"])
             return None
         traced[depth] = predicted["needs_bytes"]
+        if progress:
+            progress(f"{name}: {depth} layer{'' if depth == 1 else 's'} need{'s' if depth == 1 else ''} "
+                     f"{traced[depth] / GiB:.3f} GiB"
+                     + ("" if traced[depth] <= memory else ", more than the memory"))
         return traced[depth] if traced[depth] <= memory else None
 
     depth = max_fitting(largest_fitting_depth(trial, lambda: memory, max_depth=MAX_DEPTH))
@@ -165,9 +173,14 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     grid = [(name, ckpt, bucket) for name in config.strategies for ckpt in checkpointing_options(config)
             for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
     rows, too_large, not_predicted = [], [], {}
-    with pool(jobs) if jobs > 1 else _InProcess() as executor:
-        depths = ({name: executor.submit(largest_depth, dataclasses.replace(config, strategies=(name,), baseline=name),
-                                         memory, cuda_capability) for name in config.strategies}
+    with pool(jobs) if jobs > 1 else _InProcess() as executor, ThreadPoolExecutor(len(config.strategies)) as searches:
+        # Each strategy's depth search asks for one trial at a time; with a pool of processes its
+        # trials and the grid's share the workers (a thread waits for each), and each trial is told.
+        def search(name: str) -> dict:
+            return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
+                                 predict=lambda c, cap: executor.submit(predicted_peak, c, cap).result(),
+                                 progress=progress and (lambda line: progress(f"depth search, {line}")))
+        depths = ({name: (searches if jobs > 1 else _InProcess()).submit(search, name) for name in config.strategies}
                   if depth_search else {})
         alive = grid
         for micro_batch in sorted(micro_batches):
