@@ -2,18 +2,20 @@
 
 python3 scripts/allocator_caps.py RECORDING.json.gz [...] [--bisect STEPS] > caps.json
 For each recording of scripts/record_allocator.py: the smallest cap the model predicts for its
-requests (predict/allocator.py, smallest_cap), then the same run again on this GPU under that cap
-(which should run) and under 2 MiB less (which should run out of memory). With --bisect, where the
+requests (predict/allocator.py, smallest_cap, with the recording's PYTORCH_CUDA_ALLOC_CONF), then the
+same run again on this GPU, with that PYTORCH_CUDA_ALLOC_CONF, under that cap (which should run) and
+under 2 MiB less (which should run out of memory). With --bisect, where the
 predicted cap ran out of memory, STEPS bisections of the real smallest cap between it and the
 recorded run's reserved peak (which is checked to run). Prints one JSON object.
 """
 import argparse
 import gzip
 import json
+import os
 import subprocess
 import sys
 
-from zerolens.predict.allocator import SMALL_BUFFER, requests_of_recording, smallest_cap
+from zerolens.predict.allocator import SMALL_BUFFER, alloc_settings, requests_of_recording, smallest_cap
 
 parser = argparse.ArgumentParser()
 parser.add_argument("recordings", nargs="+")
@@ -27,12 +29,13 @@ for path in args.recordings:
                str(record["micro_batch"]), "--steps", str(record["steps"]), "--precision", record["precision"]]
 
     def runs_under(cap: int) -> bool:
-        result = subprocess.run([*command, "--cap", str(cap)], capture_output=True, text=True)
+        result = subprocess.run([*command, "--cap", str(cap)], capture_output=True, text=True,
+                                env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": record["alloc_conf"]})
         assert result.returncode in (0, 3), result.stdout + result.stderr
         return result.returncode == 0
 
-    cap = smallest_cap(requests_of_recording(record))
-    entry = {"model": record["model"], "allocated_peak_bytes": record["max_memory_allocated"],
+    cap = smallest_cap(requests_of_recording(record), **alloc_settings(record["alloc_conf"])[0])
+    entry = {"model": record["model"], "alloc_conf": record["alloc_conf"], "allocated_peak_bytes": record["max_memory_allocated"],
              "reserved_peak_bytes": record["max_memory_reserved"], "predicted_smallest_cap_bytes": cap,
              "runs_at_cap": runs_under(cap), "runs_2_MiB_below": runs_under(cap - SMALL_BUFFER)}
     entry["as_predicted"] = entry["runs_at_cap"] and not entry["runs_2_MiB_below"]
