@@ -2,12 +2,12 @@
 # roundup_power2_divisions (allocator_caps.py), then plan --check on gpt-100m (default allocator) and on
 # TinyLlama-1.1B (expandable segments): each candidate run at its predicted smallest cap and 1% below it.
 set -x
-timeout 200 python3 scripts/allocator_caps.py tests/fixtures/allocator/case-study-expandable.json.gz \
+timeout 150 python3 scripts/allocator_caps.py tests/fixtures/allocator/case-study-expandable.json.gz \
   tests/fixtures/allocator/gpt2-expandable.json.gz tests/fixtures/allocator/gpt2-roundup4.json.gz \
   --bisect 3 > $OUT/caps-options.json 2> $OUT/caps-options.err
 timeout 200 zerolens plan --nproc 1 --preset gpt-100m --gpu-memory 140GiB --strategies ddp,zero2,fsdp2 \
   --micro-batches 8 --no-depth --check 3 --json --out /tmp/plan-gpt-100m > $OUT/plan-gpt-100m.json 2> $OUT/plan-gpt-100m.err
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 zerolens plan --nproc 1 \
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 170 zerolens plan --nproc 1 \
   --model hf:examples/hf/tinyllama-1.1b.json --micro-batch 4 --gpu-memory 140GiB --strategies ddp,fsdp2 \
   --micro-batches 4 --no-depth --check 2 --json --out /tmp/plan-tinyllama > $OUT/plan-tinyllama-expandable.json 2> $OUT/plan-tinyllama.err
 python3 - <<'PY'
