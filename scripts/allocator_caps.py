@@ -1,12 +1,13 @@
 """The allocator model's smallest cap for recorded runs, against the real allocator under that cap and 2 MiB less.
 
-python3 scripts/allocator_caps.py RECORDING.json.gz [...] [--bisect STEPS] > caps.json
+python3 scripts/allocator_caps.py RECORDING.json.gz [...] [--bisect STEPS] > caps.jsonl
 For each recording of scripts/record_allocator.py: the smallest cap the model predicts for its
 requests (predict/allocator.py, smallest_cap, with the recording's PYTORCH_CUDA_ALLOC_CONF), then the
 same run again on this GPU, with that PYTORCH_CUDA_ALLOC_CONF, under that cap (which should run) and
 under 2 MiB less (which should run out of memory). With --bisect, where the
 predicted cap ran out of memory, STEPS bisections of the real smallest cap between it and the
-recorded run's reserved peak (which is checked to run). Prints one JSON object.
+recorded run's reserved peak (which is checked to run). Prints one JSON object per recording, on
+its own line as soon as it is done (each rerun is a process of its own: a time limit keeps those done).
 """
 import argparse
 import gzip
@@ -21,7 +22,6 @@ parser = argparse.ArgumentParser()
 parser.add_argument("recordings", nargs="+")
 parser.add_argument("--bisect", type=int, default=0)
 args = parser.parse_args()
-out = {}
 for path in args.recordings:
     with gzip.open(path, "rt") as f:
         record = json.load(f)
@@ -48,5 +48,4 @@ for path in args.recordings:
                 break
             low, high = (low, middle) if runs_under(middle) else (middle, high)
         entry["real_smallest_cap_above_and_at_most"] = [low, high]
-    out[path] = entry
-print(json.dumps(out, indent=2))
+    print(json.dumps({"recording": path, **entry}), flush=True)
