@@ -11,8 +11,9 @@ worker, which has a process group of its own, predicts in a fresh process (run/p
 
 On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor), and
 the allocations the trace sees, in order, go through the model of the caching allocator
-(predict/allocator.py): the reserved peak and the smallest cap each rank needs. Not seen: buffers a
-kernel allocates and frees inside one operation (invisible at the dispatch level).
+(predict/allocator.py): the reserved peak and the smallest cap each rank needs. Where no GPU is
+visible, a CUDA target is traced on CPU tensors that do what the GPU would (predict/without_gpu.py).
+Not seen: buffers a kernel allocates and frees inside one operation (invisible at the dispatch level).
 """
 from __future__ import annotations
 
