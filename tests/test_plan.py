@@ -83,10 +83,14 @@ def test_expandable_segments_are_said_where_they_would_make_it_fit(monkeypatch):
 
 def test_the_deepest_model_fits_and_one_layer_more_does_not():
     memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
-    deepest = plan.largest_depth(tiny("ddp"), memory, (9, 0))
+    lines = []
+    deepest = plan.largest_depth(tiny("ddp"), memory, (9, 0), progress=lines.append)
     assert deepest["max_depth"] >= 2
     assert deepest["needs_bytes"] <= memory < deepest["next_needs_bytes"]
     assert deepest["traced"][str(deepest["max_depth"] + 1)] == deepest["next_needs_bytes"]
+    # each trial is told as it ends
+    assert len(lines) == len(deepest["traced"]) and lines[0].startswith("ddp: 1 layer needs ")
+    assert any(line.endswith("more than the memory") for line in lines)
 
 
 def test_a_bigger_bucket_is_a_configuration_of_its_own():
@@ -145,11 +149,3 @@ def test_user_errors_are_one_line(cli, flags, message, tmp_path):
     result = cli("plan", "--preset", "gpt-tiny", *flags, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
-
-
-def test_the_depth_search_tells_each_trial():
-    memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
-    lines = []
-    deepest = plan.largest_depth(tiny("ddp"), memory, (9, 0), progress=lines.append)
-    assert len(lines) == len(deepest["traced"]) and lines[0].startswith("ddp: 1 layer needs ")
-    assert any(line.endswith("more than the memory") for line in lines)
