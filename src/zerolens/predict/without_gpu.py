@@ -1,22 +1,19 @@
-"""Tracing a CUDA target where no GPU is visible: on fake CUDA tensors, as on the GPU machine, with
-what torch would do there and does not do without a GPU.
-
-Fake CUDA tensors need no GPU (FakeTensorMode gives them meta storage), so a CUDA target is traced
-on them on any machine: CUDA's 512-byte rounding and device-side collectives follow. Two things
-still differ without a GPU, and `gpu_behaviour` puts them right for the trace's duration:
-- autocast: `torch.autocast("cuda")` disables itself where CUDA is not available
-  (torch/amp/autocast_mode.py); the CUDA autocast kernels themselves are in every build, so the
-  trace turns them on as a GPU would.
-- attention: `scaled_dot_product_attention` picks its kernel by the GPU it runs on
-  (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, select_sdp_backend); without a GPU it
-  takes the math kernel, which holds the whole attention matrix for backward where the GPU's fused
-  kernels hold one row statistic per query. `sdpa_backend` applies sdp_utils' rules for the
-  target's compute capability, and the fused kernel's op is called as the GPU's dispatch calls it
-  (flash: head dimension padded to a multiple of 8; memory-efficient: a boolean mask turned into an
-  additive bias), so its outputs and saved tensors are the GPU's.
-cuDNN's attention, which torch prefers on some GPUs with recent cuDNN builds (check_prefer_cudnn_
-attention), is not modelled: flash is taken where cuDNN would be (the same outputs' bytes up to a row
-statistic's shape). The GPU-traced and CPU-traced peaks are compared in docs/results/1xh200/issue21/.
+"""Tracing a CUDA target where no GPU is visible: on fake CPU tensors that do what the GPU would,
+where torch on the CPU does otherwise (`gpu_behaviour`, for the trace's duration):
+- autocast: CUDA's policy (aten/src/ATen/autocast_mode.h's lists) on the AutocastCPU key in place
+  of the CPU's, which keeps pow, softmax, layer_norm and sums in the low precision and casts
+  cross-entropy's input to fp32 (`cuda_autocast_on_cpu`);
+- attention: `scaled_dot_product_attention` runs the kernel torch's CUDA dispatch would pick for the
+  target's compute capability (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp's rules,
+  `sdpa_backend`), called as its fused op as the GPU's dispatch calls it (flash: head dimension
+  padded to a multiple of 8; memory-efficient: a boolean mask turned into an additive bias): forward
+  keeps a row statistic per query, where the CPU's math kernel (taken with dropout) keeps the scores;
+- dropout: the fused kernel, which keeps a boolean mask (the CPU's keeps a noise tensor of the
+  input's dtype); and each storage counts in whole 512 bytes, as the caching allocator counts it.
+Fake CUDA tensors without a GPU are no way round (peak.trace_device says why). cuDNN's attention,
+which torch prefers on some GPUs with recent cuDNN builds (check_prefer_cudnn_attention), is not
+modelled: flash is taken where cuDNN would be (the same outputs' bytes up to a row statistic's
+shape). The CPU-traced and GPU-traced peaks are compared in docs/results/1xh200/issue21/.
 """
 from __future__ import annotations
 
@@ -129,9 +126,9 @@ def round_as_cuda(info) -> int:
     return -(-info.size * info.element_size // 512) * 512
 
 
-# CUDA's autocast policy (aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
-# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE; the same in torch 2.6 to 2.13), op.overload, "" the
-# default overload. The CPU's own policy (autocast_mode.cpp, AutocastCPU) differs: it keeps pow,
+# CUDA's autocast policy, read from torch's source (aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), as op.overload ("": the default
+# overload); an op a torch release lacks is skipped. The CPU's own policy (autocast_mode.cpp, AutocastCPU) differs: it keeps pow,
 # softmax, layer_norm and the sums in the low precision, and casts cross-entropy's input to fp32.
 CUDA_LOWER_PRECISION = (
     "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
