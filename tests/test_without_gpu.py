@@ -91,7 +91,7 @@ def test_cuda_autocast_on_cpu_casts_as_cudas_does():
 def test_traced_on_the_cpu_as_on_the_gpu(point, monkeypatch):
     """A CUDA target traced on the CPU gives each phase's peak of the trace on an H200 within 0.1%,
     and the same smallest allocator cap (tests/fixtures/gpu_trace/peaks.json, from
-    docs/results/1xh200/issue21/trace_without_gpu.py: re-record it there when a step model changes)."""
+    scripts/trace_without_gpu.py --fixture on a GPU machine: record it again when a step model changes)."""
     import argparse
     import json
     from pathlib import Path

@@ -16,7 +16,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         model = sdpa_backend(q, k, k, m, 0.0, causal, gqa, torch.cuda.get_device_capability())
         print(dtype, heads, kv, hd, mask, causal, gqa, "gpu:", real, "model:", model)
 PY
-timeout 420 python3 docs/results/1xh200/issue21/trace_without_gpu.py --out "$OUT/traces.json" --jobs 15 > "$OUT/traces.log" 2>&1
+timeout 420 python3 scripts/trace_without_gpu.py --out "$OUT/traces.json" --jobs 15 > "$OUT/traces.log" 2>&1
 tail -n 12 "$OUT/traces.log"
 timeout 280 python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/pytest_gpu.txt" 2>&1
 tail -n 3 "$OUT/pytest_gpu.txt"; cat "$OUT/sdpa_choice.txt"

@@ -1,9 +1,11 @@
-"""A CUDA target's peak trace two ways, on the GPU machine: on fake tensors of the GPU ("gpu"), and on
-CPU tensors as where no GPU is visible ("cpu": predict/without_gpu.py). Each strategy's predicted
-peaks per phase and rank, and its allocator needs, for every point; the largest difference from the
-GPU's trace per point in the summary.
+"""A CUDA target's peak trace on the GPU and on CPU tensors (as where no GPU is visible), on a GPU machine.
 
-python3 docs/results/1xh200/issue21/trace_without_gpu.py --out traces.json [--jobs 12] [--quick]
+python3 scripts/trace_without_gpu.py --out traces.json [--jobs 12] [--quick] [--fixture F]
+Each point's strategies traced at N=2 on fake tensors of the GPU ("gpu") and on CPU tensors
+("cpu": predict/without_gpu.py): every rank's peaks per phase and its allocator needs, and per point
+the largest difference from the GPU's trace. --fixture F also writes the GPU's trace of the small
+points to F, the fixture tests/test_without_gpu.py checks the CPU trace against
+(tests/fixtures/gpu_trace/peaks.json): record it again when a step model changes.
 """
 import argparse
 import json
@@ -29,6 +31,9 @@ POINTS = [
      "ddp,zero2,fsdp2"),
 ]
 QUICK = {"case-study-mb16", "gpt-100m-mb8", "hf-llama-tiny-mb4"}
+# The fixture's points and strategies (None: all), small enough for a CPU test.
+FIXTURE = {"case-study-mb16": None, "hf-gpt2-tiny-mb4": ["ddp", "zero2", "fsdp2"],
+           "hf-llama-tiny-mb4": ["ddp", "zero3", "fsdp2"]}
 
 
 def trace(flags: list[str], strategy: str, mode: str) -> dict:
@@ -63,6 +68,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--fixture", default=None)
     args = parser.parse_args()
     points = [p for p in POINTS if not args.quick or p[0] in QUICK]
     jobs = [(label, flags, s, mode) for label, flags, strategies in points for s in strategies.split(",")
@@ -92,6 +98,25 @@ def main():
     json.dump({"command": " ".join(["python3", *sys.argv]), "points": out, "largest_phase_error": summary,
                "worst": worst}, open(args.out, "w"), indent=1)
     print(json.dumps(worst, indent=1))
+    if args.fixture:
+        write_fixture(args.fixture, out, " ".join(["python3", *sys.argv]))
+
+
+def write_fixture(path: str, traced: dict, command: str) -> None:
+    import torch
+    flags = {label: f for label, f, _ in POINTS}
+    points = {}
+    for label, strategies in FIXTURE.items():
+        if label not in traced:
+            continue
+        chosen = strategies or list(traced[label])
+        points[label] = {"flags": flags[label], "strategies": {
+            s: [{k: r[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
+                                   "min_allocator_cap_bytes")} for r in traced[label][s]["gpu"]["ranks"]]
+            for s in chosen}}
+    json.dump({"source": f"{command}: each strategy's peaks per phase and rank traced on fake tensors of "
+                         f"{torch.cuda.get_device_name()} (torch {torch.__version__}, N=2)", "points": points},
+              open(path, "w"), indent=1)
 
 
 if __name__ == "__main__":
