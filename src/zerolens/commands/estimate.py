@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import torch
 from torch import nn
@@ -258,6 +259,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         # As verify: the paper's fp16 for a count, a preset's GPU precision on CUDA, bf16 on CPU.
         precision = args.precision or ("fp16" if args.params is not None else "bf16" if args.device == "cpu" else
                                        PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16"))
+        started = time.perf_counter()
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
                           model_config=model_config, micro_batch=args.micro_batch,
@@ -265,8 +267,9 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
                           gradient_clipping=args.gradient_clipping)
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
+    result["seconds"] = round(time.perf_counter() - started, 1)  # how long the prediction took
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        say(*render_estimate(result))
+        say(*render_estimate(result), f"Predicted in {result['seconds']:.1f} s.")
     return 0

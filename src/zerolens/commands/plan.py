@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import re
 import shlex
+import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -444,16 +445,19 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
     def progress(line: str) -> None:
         if not args.json:
             say(f"zerolens plan: {line}", stderr=True)
+    started = time.perf_counter()
     result = plan(config, memory=memory, micro_batches=micro_batches, reduce_bucket_sizes=buckets,
                        cuda_capability=target_capability("cuda"), jobs=args.jobs or default_jobs(),
                        depth_search=not args.no_depth and config.model.kind != "user", progress=progress)
     result["command"] = command
+    result["seconds"] = round(time.perf_counter() - started, 1)  # the prediction's, before any --check
     if args.check:
         result["checked"] = check_candidates(config, result, args.check, out, command, progress)
         write_json(out / "plan.json", result)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    say(*render_plan(result, args.top), *(render_checks(result["checked"]) if args.check else []),
+    say(*render_plan(result, args.top), f"Predicted in {result['seconds']:.1f} s.",
+        *(render_checks(result["checked"]) if args.check else []),
         *([f"plan.json: {out / 'plan.json'}"] if out else []))
     return 0
