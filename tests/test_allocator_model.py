@@ -201,6 +201,8 @@ def test_the_users_alloc_conf_is_read_as_torch_reads_it():
     assert allocator_setting("expandable_segments:True")[0] == "expandable_segments"
     assert allocator_setting("")[0] == "default"
     assert "backend:cudaMallocAsync not modelled" in allocator_setting("backend:cudaMallocAsync")[1]
+    # torch refuses divisions that are not powers of two; so is the option left out, and said
+    assert alloc_settings("roundup_power2_divisions:3") == ({}, ["roundup_power2_divisions:3 (not understood)"])
 
 
 def test_roundup_power2_divisions_reserves_what_its_rounding_asks():

@@ -583,24 +583,30 @@ def roundup_divisions(value: str) -> tuple[int, ...]:
     """roundup_power2_divisions' value as torch parses it (AcceleratorAllocatorConfig): one count for every
     interval, or "[size_mb:count,...,>:count]": each power-of-two size in MiB sets its interval, the first
     also those below it, ">" those after the last named. Counts are powers of two (0: none)."""
+    def count(text: str) -> int:
+        n = int(text)
+        if n < 0 or n & (n - 1):
+            raise ValueError(f"roundup_power2_divisions' counts are powers of two, got {n}")
+        return n
+
     divisions = [0] * ROUNDUP_INTERVALS
     value = value.strip()
     if not value.startswith("["):
-        return tuple([int(value)] * ROUNDUP_INTERVALS)
+        return tuple([count(value)] * ROUNDUP_INTERVALS)
     last, first = 0, True
     for item in conf_options(value.strip("[]")):
-        key, _, count = item.partition(":")
+        key, _, n = item.partition(":")
         if key.strip() == ">":
-            divisions[last + 1:] = [int(count)] * (ROUNDUP_INTERVALS - last - 1)
+            divisions[last + 1:] = [count(n)] * (ROUNDUP_INTERVALS - last - 1)
             continue
         megabytes = int(key)
         if megabytes <= 0 or megabytes & (megabytes - 1):
             raise ValueError(f"roundup_power2_divisions' intervals are powers of two, got {megabytes}")
         index = min(megabytes.bit_length() - 1, ROUNDUP_INTERVALS - 1)
         if first:
-            divisions[:index] = [int(count)] * index
+            divisions[:index] = [count(n)] * index
             first = False
-        divisions[index] = int(count)
+        divisions[index] = count(n)
         last = index
     return tuple(divisions)
 
