@@ -534,6 +534,15 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     free_run = uncapped if uncapped is not None else run_requests(requests, **settings)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
+    # First one granule below the reserved peak: the answer is the reserved peak itself in most runs of
+    # the default allocator and a third of those with expandable segments (docs/results/1xh200/issue21,
+    # traces.json.gz), where this one run ends the search.
+    if low < high:
+        try:
+            run_requests(requests, cap=(high - 1) * granularity, **settings)
+        except OutOfMemory:
+            return high * granularity
+        high -= 1
     while low < high:
         middle = (low + high) // 2
         try:
