@@ -450,11 +450,6 @@ def room_from(block: Block) -> int:
 SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
 
 
-def expandable_in(alloc_conf: str | None) -> bool:
-    """Whether a PYTORCH_CUDA_ALLOC_CONF turns expandable segments on."""
-    return bool(alloc_settings(alloc_conf or "")[0].get("expandable"))
-
-
 def replay_recording(record: dict) -> CachingAllocator:
     """Replays an allocator history recorded on a GPU (scripts/record_allocator.py: its settings, events
     and the segments at the end) through the model, and raises AssertionError at the first event where
@@ -561,9 +556,8 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
     follows besides expandable segments (max_split_size_mb, roundup_power2_divisions)."""
     out: dict[str, dict[str, int]] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}}
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
-    conf_settings, _ = alloc_settings(alloc_conf)
-    if set(conf_settings) - {"expandable"}:
-        settings[USER_SETTING] = conf_settings
+    if allocator_setting(alloc_conf)[0] == USER_SETTING:
+        settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
     for name, options in settings.items():
         uncapped = run_requests(requests, **options)
         out["reserved_peak_bytes"][name] = uncapped.reserved_peak

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from zerolens.predict.allocator import Block, CachingAllocator, expandable_in, requests_of_recording  # noqa: E402
+from zerolens.predict.allocator import Block, CachingAllocator, alloc_settings, requests_of_recording  # noqa: E402
 
 HERE = Path(__file__).parent
 FIXTURES = HERE.parents[2].parent / "tests" / "fixtures" / "allocator"
@@ -40,7 +40,7 @@ def recorded(record: dict) -> tuple[list[int], list[int]]:
 
 def modelled(record: dict) -> list[int]:
     """The model's reserved bytes after each of the same requests."""
-    allocator = CachingAllocator(expandable=expandable_in(record["alloc_conf"]))
+    allocator = CachingAllocator(**alloc_settings(record["alloc_conf"])[0])
     blocks: dict[int, Block] = {}
     out = []
     for action, ident, size, stream in requests_of_recording(record):
