@@ -172,11 +172,15 @@ def _overload(name: str):
     return None if packet is None else getattr(packet, overload or "default", None)
 
 
-def _cast(value, dtype, eligible):
+def _cast(value, dtype):
+    """`value`'s floating tensors (autocast's eligible ones), in lists, tuples and keyword arguments too,
+    cast to `dtype`."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if eligible(value) and value.dtype != dtype else value
+        return value.to(dtype) if _floating(value) and value.dtype != dtype else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, dtype, eligible) for v in value)
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
     return value
 
 
@@ -193,13 +197,13 @@ def _autocast_kernel(op, policy: str):
     def kernel(*args, **kwargs):
         if policy == "lower":
             low = torch.get_autocast_dtype("cpu")
-            args, kwargs = _cast(args, low, _floating), _cast(kwargs, low, _floating)
+            args, kwargs = _cast(args, low), _cast(kwargs, low)
         elif policy == "fp32":
-            args, kwargs = _cast(args, torch.float32, _floating), _cast(kwargs, torch.float32, _floating)
+            args, kwargs = _cast(args, torch.float32), _cast(kwargs, torch.float32)
         elif policy == "promote":
             widest = torch.float32 if any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args) else None
             if widest:
-                args = _cast(args, widest, _floating)
+                args = _cast(args, widest)
         elif policy == "set_dtype" and isinstance(args[0], torch.Tensor) and _floating(args[0]):
             if dtype_index is not None and len(args) > dtype_index:
                 if args[dtype_index] is None:
