@@ -174,14 +174,15 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     grid = [(name, ckpt, bucket) for name in config.strategies for ckpt in checkpointing_options(config)
             for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
     rows, too_large, not_predicted = [], [], {}
-    with pool(jobs) if jobs > 1 else _InProcess() as executor, ThreadPoolExecutor(len(config.strategies)) as searches:
+    with pool(jobs) if jobs > 1 else _InProcess() as executor, \
+            ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else _InProcess() as searches:
         # Each strategy's depth search asks for one trial at a time; with a pool of processes its
         # trials and the grid's share the workers (a thread waits for each), and each trial is told.
         def search(name: str) -> dict:
             return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
                                  predict=lambda c, cap: executor.submit(predicted_peak, c, cap).result(),
                                  progress=progress and (lambda line: progress(f"depth search, {line}")))
-        depths = ({name: (searches if jobs > 1 else _InProcess()).submit(search, name) for name in config.strategies}
+        depths = ({name: searches.submit(search, name) for name in config.strategies}
                   if depth_search else {})
         alive = grid
         for micro_batch in sorted(micro_batches):

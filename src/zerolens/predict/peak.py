@@ -99,8 +99,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
                   steps: int = STEPS, requests: list | None = None) -> dict:
     """Strategy `name` on rank `rank` of `settings.world_size`: the predicted peak of each phase over
     the steps (`peak_during_<phase>`) and of the last one (`last_step`), the highest (`peak_bytes`), what is held
-    after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on`
-    ("cpu" or "cuda") overrides where the step is traced (trace_device); `steps`, how many. For a CUDA
+    after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on="cpu"`
+    traces on CPU tensors even where a GPU is visible (else trace_device decides); `steps`, how many. For a CUDA
     target, the allocations handed to the allocator model are appended to `requests` where given."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
