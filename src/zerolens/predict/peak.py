@@ -69,7 +69,11 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
     gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's).
     With `requests`, every storage of `device_type` it sees allocated or freed is appended to it, in
     order, as the caching allocator would be asked: ("alloc", id, bytes, stream) and ("free", id, 0,
-    stream), on stream 0 (predict/allocator.py)."""
+    stream) (predict/allocator.py). `stream` numbers the stream current where the storage was made,
+    in the order streams are met, 0 the default one: the allocator keeps each stream's blocks apart,
+    and FSDP2 makes its all-gather and reduce-scatter buffers on streams of its own (torch.cpu keeps
+    a current stream as torch.cuda does, so a trace on the CPU sees the same ones). A block's free
+    is the stream's at once: nothing on the traced paths calls record_stream, which would delay it."""
     from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
     class TotalsTracker(MemTracker):
@@ -83,14 +87,26 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
             if requests is not None and winfo.device.type == device_type and u_type != _UpdateType.REF:
                 # A resize frees the storage's memory and allocates the new size (FSDP2's all-gather buffers).
                 if u_type in (_UpdateType.DEL, _UpdateType.SIZE) and id(winfo) in live:
-                    requests.append(("free", live.pop(id(winfo)), 0, 0))
+                    request, stream = live.pop(id(winfo))
+                    requests.append(("free", request, 0, stream))
                 if u_type in (_UpdateType.ADD, _UpdateType.SIZE) and winfo.mem_consumed > 0:
-                    live[id(winfo)] = next(ids)
-                    requests.append(("alloc", live[id(winfo)], winfo.mem_consumed, 0))
+                    request, stream = next(ids), stream_number(winfo.device)
+                    live[id(winfo)] = request, stream
+                    requests.append(("alloc", request, winfo.mem_consumed, stream))
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
-    live: dict[int, int] = {}  # a tracked storage's id -> its request's
+    def stream_key(device: torch.device):
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            return stream.device_index, stream.stream_id
+        return id(torch.cpu.current_stream())
+
+    def stream_number(device: torch.device) -> int:
+        return streams.setdefault(stream_key(device), len(streams))
+
+    live: dict[int, tuple[int, int]] = {}  # a tracked storage's id -> its request's id and stream
     ids = itertools.count()
+    streams = {stream_key(torch.device(device_type)): 0}  # a stream -> its number; the default stream is 0
     return TotalsTracker()
 
 
