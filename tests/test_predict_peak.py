@@ -254,3 +254,24 @@ def test_the_report_shows_fragmentation_beside_the_prediction_on_cuda():
     assert "| zero2 | 0 | 118.000 | 120.000 | -1.67% | 110.000 | 1300.000 |" in section
     cpu = {**rank, "predicted_peaks": predicted | {"target": "cpu", "last_step": predicted}}
     assert "reserved" not in peak_prediction_section({"device": "cpu", "strategies": {"zero2": {"ranks": [cpu]}}})
+
+
+def test_fsdp2s_collective_buffers_are_on_streams_of_their_own():
+    """FSDP2 makes its all-gather buffers on its copy-in stream and its reduce outputs on its
+    reduce-scatter stream (torch.cpu keeps the current stream as torch.cuda does): the trace numbers
+    each request's stream, a free is on its allocation's, and DDP, which has no side stream, is all
+    on stream 0. With the streams kept apart the allocator reserves at least as much as with one."""
+    from zerolens.predict.allocator import run_requests
+    settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    streams = {}
+    for name in ("fsdp2", "ddp"):
+        requests = []
+        predict_peaks(name, PRESETS["gpt-tiny"], settings, steps=1, cuda_capability=(9, 0), trace_on="cpu",
+                      requests=requests)
+        made_on = {ident: stream for action, ident, _, stream in requests if action == "alloc"}
+        assert all(made_on[ident] == stream for action, ident, _, stream in requests if action == "free")
+        streams[name] = {stream for *_, stream in requests}
+        if name == "fsdp2":
+            one_stream = [(action, ident, size, 0) for action, ident, size, _ in requests]
+            assert run_requests(requests).reserved_peak >= run_requests(one_stream).reserved_peak
+    assert streams == {"fsdp2": {0, 1, 2}, "ddp": {0}}

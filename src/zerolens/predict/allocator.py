@@ -32,7 +32,8 @@ The options of PYTORCH_CUDA_ALLOC_CONF it follows (alloc_settings): expandable_s
 max_split_size_mb, roundup_power2_divisions. garbage_collection_threshold acts only where a memory
 fraction is set (set_per_process_memory_fraction), not in a job that a GPU's own memory bounds: the
 smallest cap here is that memory. Not modelled: blocks whose free waits for another stream
-(record_stream), and CUDA graph pools.
+(record_stream), and CUDA graph pools. The streams are the requests' own: the peak trace says where
+each allocation was made (predict/peak.py).
 """
 from __future__ import annotations
 
