@@ -113,3 +113,20 @@ def test_predict_zero0_bf16_in_deepspeed_0_16_by_hand():
     assert z16["grad_partition_elements"] == 13
     assert predict_retained("zero0", sizes, 2, 0, "fp32", deepspeed=deepspeed_layout("0.16.9")) == \
         predict_retained("zero0", sizes, 2, 0, "fp32")  # no wrapper in fp32
+
+
+def test_a_model_built_in_bf16_keeps_bf16_under_ddp_and_fsdp2_and_deepspeed_casts_it_as_ever():
+    """weight_bytes 2: DDP's and FSDP2's weights, gradients, buckets and AdamW moments in bf16 (the
+    step counters stay fp32 scalars); DeepSpeed's figures do not depend on how the model was built."""
+    from zerolens.strategies import registry
+    numels, shapes = [64 * 16, 16], [(64, 16), (16,)]
+    for name in ("ddp", "fsdp2", "zero2"):
+        fp32, bf16 = (registry.predict_retained(name, numels, 2, 0, "bf16", param_shapes=shapes, weight_bytes=w)
+                      for w in (4, 2))
+        if name == "zero2":
+            assert bf16 == fp32
+            continue
+        assert bf16["param_bytes"] * 2 == fp32["param_bytes"]
+        assert bf16["grad_bytes_after_backward"] * 2 == fp32["grad_bytes_after_backward"]
+        steps = 4 * len(numels)
+        assert (bf16["optimizer_state_bytes"] - steps) * 2 == fp32["optimizer_state_bytes"] - steps

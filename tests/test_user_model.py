@@ -22,6 +22,48 @@ def test_verify_a_user_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_verify_a_model_built_in_bf16(tmp_path):
+    """A model whose weights are bf16 as built: DDP and FSDP2 train it in bf16 (weights, gradients,
+    buckets and AdamW's moments), DeepSpeed casts it as ever; every retained and peak check holds."""
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", "zerolens_test_models:bf16_weights", "--batch", "zerolens_test_models:tiny_batch",
+                      "--strategies", "ddp,zero2,fsdp2", "--steps", "5", "--out", str(out), timeout=300, env=ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS" and all(c["passed"] for c in summary["checks"])
+    ddp = summary["strategies"]["ddp"]["ranks"][0]
+    assert ddp["param_bytes"] == ddp["grad_bytes_after_backward"] == 2 * 3236  # tiny_classifier's elements
+    assert sum(c["name"].startswith("peak as predicted") for c in summary["checks"]) == 6
+
+
+@pytest.mark.slow
+def test_verify_a_model_with_frozen_parameters(tmp_path):
+    """A frozen embedding (LoRA in small): the run is measured (torch's MemTracker would raise on the
+    frozen weight), and what zerolens cannot predict yet is said not checked, not failed."""
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", "zerolens_test_models:frozen_embedding", "--batch",
+                      "zerolens_test_models:tiny_batch", "--strategies", "ddp,zero2", "--steps", "5", "--out", str(out),
+                      timeout=300, env=ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS"
+    assert not any(c["name"].startswith(("retained memory as predicted", "peak as predicted")) for c in summary["checks"])
+    assert "1,024 of the model's 3,236 parameter elements are frozen" in summary["not_checked"][0]["why"]
+    ddp = summary["strategies"]["ddp"]["ranks"][0]
+    assert ddp["grad_bytes_after_backward"] == 4 * (3236 - 1024) and ddp["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("model, message", [
+    ("frozen_embedding", "1,024 of the model's 3,236 parameter elements are frozen"),
+    ("mixed_weights", "the model's parameters mix dtypes"),
+])
+def test_estimate_refuses_what_it_does_not_model(cli, model, message):
+    result = cli("estimate", "--model", f"zerolens_test_models:{model}", "--batch", "zerolens_test_models:tiny_batch")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
 def test_bench_a_user_model(tmp_path):
     out = tmp_path / "bench"
     result = zerolens("bench", *USER, "--warmup", "1", "--steps", "2", "--out", str(out), timeout=300, env=ENV)

@@ -88,3 +88,24 @@ def batch_named_otherwise(i, n, s):
 def keyword_only_batch(*, seed, batch_size, step):
     """The same batch, with keyword-only parameters in another order."""
     return tiny_batch(step, batch_size, seed)
+
+
+def frozen_embedding():
+    """A LoRA-style fine-tune in small: tiny_classifier with its embedding frozen (requires_grad off)."""
+    model = tiny_classifier()
+    model.embedding.weight.requires_grad_(False)
+    return model
+
+
+def bf16_weights():
+    """tiny_classifier built in bf16: a model whose weights are already half precision."""
+    import torch
+    return tiny_classifier().to(torch.bfloat16)
+
+
+def mixed_weights():
+    """tiny_classifier with one layer in bf16 and the rest fp32."""
+    import torch
+    model = tiny_classifier()
+    model.head.to(torch.bfloat16)
+    return model

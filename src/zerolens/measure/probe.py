@@ -22,7 +22,7 @@ import torch
 
 from zerolens.measure.allocator import AllocatorReadings, still_referenced_wrappers
 from zerolens.measure.census import MeasurementError, count, storage_bytes, storage_keys
-from zerolens.measure.tracker import dtensor_shapes_untraced, reset_tracker_peak, tracker_total
+from zerolens.measure.tracker import dtensor_shapes_untraced, memory_tracker_class, reset_tracker_peak, tracker_total
 
 
 class MemoryProbe:
@@ -51,8 +51,7 @@ class MemoryProbe:
             self.allocator.start_detailed_step(strategy.holdings())
             yield
             return
-        from torch.distributed._tools.mem_tracker import MemTracker
-        self.tracker = MemTracker()
+        self.tracker = memory_tracker_class()()
         # Tensors that exist before the step: tracked so that their frees during it are seen.
         held = strategy.holdings()
         self.tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")

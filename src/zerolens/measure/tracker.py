@@ -4,8 +4,34 @@ kept out of what it counts."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from zerolens.measure.census import MeasurementError
+
+
+class _NoHook:
+    """Stands where torch's MemTracker keeps a parameter's gradient hooks, for one that has none."""
+
+    @staticmethod
+    def remove() -> None:
+        pass
+
+
+@functools.cache
+def memory_tracker_class():
+    """torch's MemTracker, able to follow a model with frozen parameters (a frozen embedding, a LoRA
+    base): torch's installs gradient hooks on every parameter a module holds, which raises ("cannot
+    register a hook on a tensor that doesn't require gradient") at the first frozen one. A frozen
+    parameter has no gradient to follow, so it gets none; its memory is counted all the same."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                    self._param_to_grad_hook_handles[param] = (_NoHook, _NoHook)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+    return Tracker
 
 
 # torch's MemTracker (torch.distributed._tools, private in torch 2.x) keeps one running peak; a

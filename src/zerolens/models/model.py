@@ -216,6 +216,35 @@ def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
     return [p.shape for p in meta_model(config).parameters()]
 
 
+MIXED_WEIGHTS = ("--model {model}: the model's parameters mix dtypes; zerolens predicts models whose weights share "
+                 "one dtype (fp32, or bf16/fp16 throughout): cast the model to one before you return it")
+
+
+def weight_bytes(config: ModelConfig) -> int | None:
+    """The bytes per element of the model's weights as built: 4 for fp32, 2 for a model built in
+    bf16 or fp16 (which DDP and FSDP2 train as they are); None where its parameters mix dtypes."""
+    sizes = {p.element_size() for p in meta_model(config).parameters()}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def frozen_parameters(config: ModelConfig) -> str | None:
+    """Why zerolens does not predict this model's memory, where some of its parameters do not train
+    (requires_grad off: a frozen embedding, a LoRA base): its layout theory and step models give every
+    parameter a gradient and optimizer states. None where every parameter trains."""
+    return frozen_parameters_of(meta_model(config))
+
+
+def frozen_parameters_of(model: nn.Module) -> str | None:
+    """frozen_parameters for a model already built (on the meta device)."""
+    params = list(model.parameters())
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    if not frozen:
+        return None
+    return (f"{frozen:,} of the model's {sum(p.numel() for p in params):,} parameter elements are frozen "
+            "(requires_grad off), and zerolens's predictions give every parameter a gradient and optimizer "
+            "states: frozen parameters are not modelled yet (the run itself is measured as any other)")
+
+
 def load_user_function(spec: str):
     """`module:function` -> the function. The module is looked up on sys.path (PYTHONPATH) and in the
     current folder, as `python -m` finds it. ValueError says what is wrong."""

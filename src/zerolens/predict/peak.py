@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties
+from zerolens.models.model import ModelConfig, frozen_parameters, meta_model, parameter_shapes, to_empty_keeping_ties
 from zerolens.predict.allocator import allocator_needs
 from zerolens.predict.without_gpu import gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
@@ -74,9 +74,11 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
     and FSDP2 makes its all-gather and reduce-scatter buffers on streams of its own (torch.cpu keeps
     a current stream as torch.cuda does, so a trace on the CPU sees the same ones). A block's free
     is the stream's at once: nothing on the traced paths calls record_stream, which would delay it."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+    from torch.distributed._tools.mem_tracker import _UpdateType
 
-    class TotalsTracker(MemTracker):
+    from zerolens.measure.tracker import memory_tracker_class
+
+    class TotalsTracker(memory_tracker_class()):
         def _update_peak_stats(self, peak_state) -> None:
             for device, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snap["Total"]:
@@ -278,7 +280,7 @@ def why_not_predicted(name: str, config) -> str | None:
         return f"its step model does not model these settings of the run's DeepSpeed config: {'; '.join(unmodelled)}"
     if config.model.compile_blocks:
         return "--compile changes what forward saves; the prediction traces the eager model"
-    return None
+    return frozen_parameters(config.model)
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:

@@ -15,7 +15,7 @@ import torch
 from zerolens.compat import check_supported
 from zerolens.errors import UserError, one_line_error
 from zerolens.models.data import make_batch
-from zerolens.models.model import ModelConfig, parameter_shapes, user_model
+from zerolens.models.model import MIXED_WEIGHTS, ModelConfig, parameter_shapes, user_model, weight_bytes
 from zerolens.run.config import RunConfig
 from zerolens.run.faults import fault_from_environment
 from zerolens.strategies import loss_of, registry
@@ -52,11 +52,15 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
     # refused here, not after the others trained.
     shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
+    weights = weight_bytes(config.model)
+    if weights is None:
+        raise UserError(MIXED_WEIGHTS.format(model=config.model.factory))
     for name in config.strategies:
         try:
             registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
                                       reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes,
-                                      param_persistence_threshold=config.param_persistence_threshold)
+                                      param_persistence_threshold=config.param_persistence_threshold,
+                                      weight_bytes=weights)
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
 

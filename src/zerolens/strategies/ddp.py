@@ -99,9 +99,11 @@ class TorchDDPStepModel(TorchDDP):
         self.cuda = cuda
 
     def wrap(self, module, device):
-        # The gradients' dtype: fp32, as the weights under autocast (layout.torch_ddp_layout).
+        # A bucket has its gradients' dtype, the weights' (fp32 under autocast; a model built in
+        # bf16 keeps bf16 weights): layout.torch_ddp_layout.
         self.params = [p for p in module.parameters() if p.requires_grad]  # DDP's order
-        self.bucket_buffers[0] = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
+        self.bucket_dtype = self.params[0].dtype
+        self.bucket_buffers[0] = torch.empty(sum(p.numel() for p in self.params), dtype=self.bucket_dtype, device=device)
         self.forwards = 0
         # The order the first backward accumulates the gradients in, which DDP's autograd hooks record.
         self.ready: list[int] = []
@@ -118,7 +120,7 @@ class TorchDDPStepModel(TorchDDP):
                 hook.remove()
             self.bucket_buffers.clear()
             for index, numel in enumerate(rebuilt_bucket_numels(self.params, self.ready)):
-                self.bucket_buffers[index] = torch.empty(numel, dtype=torch.float32, device=self.device)
+                self.bucket_buffers[index] = torch.empty(numel, dtype=self.bucket_dtype, device=self.device)
         self.forwards += 1
         return super().forward_loss(tokens, labels)
 

@@ -146,6 +146,10 @@ class Layout:
     param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD  # ZeRO-3: kept whole at most this many
     param_shapes: list[tuple[int, ...]] | None = None  # FSDP2 needs them; the others only sizes
     deepspeed: DeepSpeedLayout = DEEPSPEED_0_19
+    # The model's weights as built: fp32, or 2 bytes for a model built in bf16/fp16, which DDP and FSDP2
+    # train as they are (gradients and AdamW's moments in the weights' dtype); DeepSpeed casts the
+    # model to its own precision whatever it was built in.
+    weight_bytes: int = FP32
 
     @property
     def psi(self) -> int:
@@ -171,9 +175,10 @@ def retained(param_bytes: int, grad_bytes_after_backward: int, grad_bytes_after_
 # says which strategy keeps which.
 
 def torch_ddp_layout(x: Layout) -> dict:
-    """fp32 weights and gradients under autocast; the buckets mirror the gradients."""
-    psi = x.psi
-    return retained(FP32 * psi, FP32 * psi, 0, ADAM_MOMENTS * psi + STEP_COUNTER * len(x.param_numels), FP32 * psi, psi)
+    """The weights as built (fp32 under autocast) and gradients of their dtype; the buckets mirror
+    the gradients; AdamW's two moments in the weights' dtype."""
+    psi, w = x.psi, x.weight_bytes
+    return retained(w * psi, w * psi, 0, 2 * w * psi + STEP_COUNTER * len(x.param_numels), w * psi, psi)
 
 
 def deepspeed_stage0_layout(x: Layout) -> dict:
@@ -213,9 +218,11 @@ def deepspeed_stage3_layout(x: Layout) -> dict:
 
 
 def fsdp2_layout(x: Layout) -> dict:
-    """fp32 shards and gradients whatever the precision; the same after backward with or without
-    resharding after forward, which only decides when the gathered copies go."""
+    """Shards and gradients in the weights' dtype as built (fp32 for the presets) whatever the
+    precision; the same after backward with or without resharding after forward, which only decides
+    when the gathered copies go."""
     if x.param_shapes is None:
         raise ValueError("FSDP2's layout needs the parameters' shapes (param_shapes)")
     padded, held = fsdp2_shard_elements(x.param_shapes, x.world_size, x.rank)
-    return retained(FP32 * padded, FP32 * padded, 0, ADAM_MOMENTS * held + STEP_COUNTER * len(x.param_numels), 0, held)
+    w = x.weight_bytes
+    return retained(w * padded, w * padded, 0, 2 * w * held + STEP_COUNTER * len(x.param_numels), 0, held)
