@@ -1,6 +1,6 @@
 """A CUDA target's peak trace on the GPU and on CPU tensors (as where no GPU is visible), on a GPU machine.
 
-python3 scripts/trace_without_gpu.py --out traces.json [--jobs 12] [--quick] [--fixture F]
+python3 scripts/trace_without_gpu.py --out traces.json [--jobs 12] [--quick | --points A,B] [--fixture F]
 Each point's strategies traced at N=2 on fake tensors of the GPU ("gpu") and on CPU tensors
 ("cpu": predict/without_gpu.py): every rank's peaks per phase and its allocator needs, and per point
 the largest difference from the GPU's trace. --fixture F also writes the GPU's trace of the small
@@ -68,9 +68,11 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--points", default=None, help="comma-separated labels of POINTS (default: all)")
     parser.add_argument("--fixture", default=None)
     args = parser.parse_args()
-    points = [p for p in POINTS if not args.quick or p[0] in QUICK]
+    chosen = QUICK if args.quick else set(args.points.split(",")) if args.points else {label for label, *_ in POINTS}
+    points = [p for p in POINTS if p[0] in chosen]
     jobs = [(label, flags, s, mode) for label, flags, strategies in points for s in strategies.split(",")
             for mode in ("gpu", "cpu")]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
