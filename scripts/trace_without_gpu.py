@@ -117,7 +117,8 @@ def write_fixture(path: str, traced: dict, command: str) -> None:
                                    "min_allocator_cap_bytes")} for r in traced[label][s]["gpu"]["ranks"]]
             for s in chosen}}
     json.dump({"source": f"{command}: each strategy's peaks per phase and rank traced on fake tensors of "
-                         f"{torch.cuda.get_device_name()} (torch {torch.__version__}, N=2)", "points": points},
+                         f"{torch.cuda.get_device_name()} (torch {torch.__version__}, N=2)", "streams": True,
+               "points": points},
               open(path, "w"), indent=1)
 
 
