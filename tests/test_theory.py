@@ -130,3 +130,22 @@ def test_a_model_built_in_bf16_keeps_bf16_under_ddp_and_fsdp2_and_deepspeed_cast
         assert bf16["grad_bytes_after_backward"] * 2 == fp32["grad_bytes_after_backward"]
         steps = 4 * len(numels)
         assert (bf16["optimizer_state_bytes"] - steps) * 2 == fp32["optimizer_state_bytes"] - steps
+
+
+def test_frozen_parameters_have_no_gradient_or_optimizer_state_and_stay_out_of_zero12s_partition():
+    """A frozen embedding: gradients, AdamW states and step counters only for what trains; ZeRO-1/2
+    partition what trains and keep the frozen weight whole in 16-bit; ZeRO-3 and FSDP2 still shard it.
+    (The byte counts against real backends: tests/test_user_model.py.)"""
+    from zerolens.strategies import registry
+    numels, shapes, trainable = [1024, 512, 32], [(64, 16), (32, 16), (32,)], [False, True, True]
+    trained = 512 + 32
+    ddp = registry.predict_retained("ddp", numels, 2, 0, "bf16", param_shapes=shapes, trainable=trainable)
+    assert ddp["param_bytes"] == 4 * sum(numels) and ddp["grad_bytes_after_backward"] == 4 * trained
+    assert ddp["optimizer_state_bytes"] == 8 * trained + 4 * 2
+    zero2 = registry.predict_retained("zero2", numels, 2, 0, "bf16", param_shapes=shapes, trainable=trainable)
+    assert zero2["grad_partition_elements"] == trained // 2
+    assert zero2["param_bytes"] == 2 * (trained + 1024)
+    zero3 = registry.predict_retained("zero3", numels, 2, 0, "bf16", param_shapes=shapes, trainable=trainable)
+    assert zero3["grad_partition_elements"] == trained // 2 and zero3["optimizer_state_bytes"] == 12 * trained // 2 + 4
+    fsdp2 = registry.predict_retained("fsdp2", numels, 2, 0, "bf16", param_shapes=shapes, trainable=trainable)
+    assert fsdp2["param_bytes"] == 4 * sum(numels) // 2 and fsdp2["grad_bytes_after_backward"] == 4 * trained // 2

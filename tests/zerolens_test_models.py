@@ -109,3 +109,25 @@ def mixed_weights():
     model = tiny_classifier()
     model.head.to(torch.bfloat16)
     return model
+
+
+def lora_classifier():
+    """LoRA in small: tiny_classifier's weights frozen, a trainable low-rank adapter (rank 2) beside each
+    block's first linear layer."""
+    import torch
+
+    class LoRALinear(nn.Module):
+        def __init__(self, base: nn.Linear, rank: int = 2):
+            super().__init__()
+            self.base = base.requires_grad_(False)
+            self.down = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
+            self.up = nn.Parameter(torch.zeros(base.out_features, rank))
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.down.t()) @ self.up.t()
+
+    model = tiny_classifier().requires_grad_(False)
+    for block in model.blocks:
+        block[0] = LoRALinear(block[0])
+    model.head.requires_grad_(True)
+    return model

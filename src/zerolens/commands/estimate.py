@@ -16,10 +16,9 @@ from zerolens.errors import UserError
 from zerolens.models.model import (
     MIXED_WEIGHTS,
     PRESETS,
-    frozen_parameters,
-    frozen_parameters_of,
     load_user_function,
     parameter_shapes,
+    trainable_flags,
     weight_bytes,
 )
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
@@ -45,23 +44,25 @@ def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied weight once
 
 
-def weights_of_factory(spec: str) -> tuple[int | None, str | None]:
-    """models.model.weight_bytes and frozen_parameters for a `module:factory` without a batch function."""
+def weights_of_factory(spec: str) -> tuple[int | None, list[bool]]:
+    """models.model.weight_bytes and trainable_flags for a `module:factory` without a batch function."""
     with torch.device("meta"):
         model = load_user_function(spec)()
     sizes = {p.element_size() for p in model.parameters()}
-    return (sizes.pop() if len(sizes) == 1 else None), frozen_parameters_of(model)
+    return (sizes.pop() if len(sizes) == 1 else None), [p.requires_grad for p in model.parameters()]
 
 
 def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
              param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None,
              model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None,
-             fused_adam: bool = False, gradient_clipping: float = 1.0, weight_bytes: int = 4) -> dict:
+             fused_adam: bool = False, gradient_clipping: float = 1.0, weight_bytes: int = 4,
+             trainable: list[bool] | None = None) -> dict:
     """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
     rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
     With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
     (predict/peak.py) for `micro_batch` samples per rank, on CUDA (`cuda_capability`) or the CPU.
-    `weight_bytes`: the element size of the weights as the model is built (models.model.weight_bytes)."""
+    `weight_bytes`: the element size of the weights as the model is built (models.model.weight_bytes);
+    `trainable`: which parameters train (models.model.trainable_flags; None: all)."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
     out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
@@ -82,7 +83,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                 r = {"rank": rank, **registry.predict_retained(
                     name, param_numels, world_size, rank, precision, reduce_bucket_size=reduce_bucket_size,
                     param_shapes=param_shapes, deepspeed=deepspeed_layout(),  # the installed DeepSpeed's
-                    weight_bytes=weight_bytes)}
+                    weight_bytes=weight_bytes, trainable=trainable)}
                 r["transient_reduce_bucket_bytes"] = spec.reduce_bucket_bytes(precision, reduce_bucket_size)
                 # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
                 # of the gradients, ZeRO-3's reduce bucket).
@@ -268,15 +269,13 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         shapes = (None if args.params is not None else
                   [tuple(s) for s in parameter_shapes(model_config)] if model_config is not None else
                   param_shapes_from_factory(args.model))
-        weights, frozen = ((4, None) if args.params is not None else
-                           (weight_bytes(model_config), frozen_parameters(model_config)) if model_config is not None
-                           else weights_of_factory(args.model))
+        weights, trainable = ((4, None) if args.params is not None else
+                              (weight_bytes(model_config), trainable_flags(model_config)) if model_config is not None
+                              else weights_of_factory(args.model))
     except ValueError as e:
         raise UserError(str(e)) from None
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=args.model))
-    if frozen:
-        raise UserError(f"--model {args.model}: {frozen}")
     if args.device == "cpu" and args.precision == "fp16":
         raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): use --precision bf16 "
                         "or fp32, or --device cuda")
@@ -289,7 +288,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
                           model_config=model_config, micro_batch=args.micro_batch,
                           cuda_capability=target_capability(args.device), fused_adam=args.fused_adam,
-                          gradient_clipping=args.gradient_clipping, weight_bytes=weights)
+                          gradient_clipping=args.gradient_clipping, weight_bytes=weights, trainable=trainable)
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
     result["seconds"] = round(time.perf_counter() - started, 1)  # how long the prediction took

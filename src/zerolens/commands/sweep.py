@@ -44,7 +44,7 @@ def point_summary(summary: dict, reduce_bucket_size: int, folder: str, preset: s
         strategies[name] = {
             "rank": top["rank"],
             "grad_bytes_after_backward": top["grad_bytes_after_backward"],
-            "predicted_grad_bytes_after_backward": top.get("predicted", {}).get("grad_bytes_after_backward"),
+            "predicted_grad_bytes_after_backward": top["predicted"]["grad_bytes_after_backward"],
             "unsharded_grad_bytes": unsharded,
             "grad_partition_elements": top["grad_partition_elements"],
             "param_bytes": top["param_bytes"], "optimizer_state_bytes": top["optimizer_state_bytes"],

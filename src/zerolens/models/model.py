@@ -227,22 +227,10 @@ def weight_bytes(config: ModelConfig) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def frozen_parameters(config: ModelConfig) -> str | None:
-    """Why zerolens does not predict this model's memory, where some of its parameters do not train
-    (requires_grad off: a frozen embedding, a LoRA base): its layout theory and step models give every
-    parameter a gradient and optimizer states. None where every parameter trains."""
-    return frozen_parameters_of(meta_model(config))
-
-
-def frozen_parameters_of(model: nn.Module) -> str | None:
-    """frozen_parameters for a model already built (on the meta device)."""
-    params = list(model.parameters())
-    frozen = sum(p.numel() for p in params if not p.requires_grad)
-    if not frozen:
-        return None
-    return (f"{frozen:,} of the model's {sum(p.numel() for p in params):,} parameter elements are frozen "
-            "(requires_grad off), and zerolens's predictions give every parameter a gradient and optimizer "
-            "states: frozen parameters are not modelled yet (the run itself is measured as any other)")
+def trainable_flags(config: ModelConfig) -> list[bool]:
+    """Which of the model's parameters train (requires_grad), in parameters() order: a frozen
+    embedding or a LoRA base does not."""
+    return [p.requires_grad for p in meta_model(config).parameters()]
 
 
 def load_user_function(spec: str):

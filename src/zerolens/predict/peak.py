@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from zerolens.models.model import ModelConfig, frozen_parameters, meta_model, parameter_shapes, to_empty_keeping_ties
+from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties, trainable_flags
 from zerolens.predict.allocator import allocator_needs
 from zerolens.predict.without_gpu import gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
@@ -280,7 +280,7 @@ def why_not_predicted(name: str, config) -> str | None:
         return f"its step model does not model these settings of the run's DeepSpeed config: {'; '.join(unmodelled)}"
     if config.model.compile_blocks:
         return "--compile changes what forward saves; the prediction traces the eager model"
-    return frozen_parameters(config.model)
+    return None
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:
@@ -320,10 +320,12 @@ def ranks_alike(name: str, model_config: ModelConfig, settings: TrainSettings) -
     if spec.flat_partition:
         return {rank: rank for rank in range(n)}
     shapes = [tuple(shape) for shape in parameter_shapes(model_config)]
+    trainable = trainable_flags(model_config)
     first_with: dict[str, int] = {}
     alike = {}
     for rank in range(n):
         layout = registry.predict_retained(name, [math.prod(s) for s in shapes], n, rank, settings.precision,
-                                           reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes)
+                                           reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes,
+                                           trainable=trainable)
         alike[rank] = first_with.setdefault(repr(sorted(layout.items())), rank)
     return alike

@@ -92,11 +92,11 @@ def without_earlier_memory(rank: dict, earlier_left: int) -> dict:
 def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                   versions: dict, param_shapes: list[tuple[int, ...]] | None = None,
                   metrics: dict | None = None, predicted_peaks: dict | None = None, weight_bytes: int = 4,
-                  not_modelled: str | None = None) -> dict:
+                  trainable: list[bool] | None = None) -> dict:
     """gathered[rank] is that rank's list of per-strategy results, in config.strategies order.
     `predicted_peaks` is predict.peak.predicted_peaks of the run; `weight_bytes`, the element size of
-    the model's weights as built (models.model.weight_bytes); `not_modelled`, why the model's retained
-    memory is not predicted (models.model.frozen_parameters), which leaves its retained checks out.
+    the model's weights as built (models.model.weight_bytes); `trainable`, which parameters train
+    (models.model.trainable_flags; None: all).
     FSDP2's predictions need the parameters' shapes as well as their sizes. `metrics` is the check
     of the ranks' own metrics files (checks.metrics_complete)."""
     strategies = {}
@@ -114,12 +114,12 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                       for r, p in enumerate(per_rank)],
             "left_allocated_after_teardown_bytes": rank0.get("left_allocated_by_this_strategy_bytes", 0),
         }
-        for r, rank in enumerate(strategies[name]["ranks"] if not_modelled is None else []):
+        for r, rank in enumerate(strategies[name]["ranks"]):
             predicted = registry.predict_retained(name, param_numels, config.nproc, r, config.precision,
                                          reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
                                          deepspeed=deepspeed_layout(versions.get("deepspeed")),
                                          param_persistence_threshold=config.param_persistence_threshold,
-                                         weight_bytes=weight_bytes)
+                                         weight_bytes=weight_bytes, trainable=trainable)
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
         prediction = (predicted_peaks or {}).get(name, {"why_not": "not predicted in this run"})
         if "ranks" in prediction:
@@ -130,10 +130,10 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
     base = strategies[config.baseline]
     checks = []
     for name, s in strategies.items():
-        if registry.spec(name).flat_partition and config.nproc > 1 and not_modelled is None:
-            checks += zero_gradient_checks(name, s["ranks"], base["ranks"], param_numels, config.precision)
-    checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
-               if "predicted" in rank]
+        if registry.spec(name).flat_partition and config.nproc > 1:
+            trained = param_numels if trainable is None else [n for n, t in zip(param_numels, trainable) if t]
+            checks += zero_gradient_checks(name, s["ranks"], base["ranks"], trained, config.precision)
+    checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
     # A rank whose peaks hold an earlier strategy's memory (another launcher) has none to compare.
     checks += [peak_prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
                if "predicted_peaks" in rank and rank.get("peak_bytes") is not None]
@@ -145,8 +145,7 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                 checks.append(allocator_check(name, rank))
                 checks += [peak_check(name, rank["rank"], phase, anatomy)
                            for phase, anatomy in (rank["peak_anatomy"] or {}).items()]
-    not_checked = [] if not_modelled is None else [
-        {"name": "retained memory and peaks as predicted, and the ZeRO gradient shares", "why": not_modelled}]
+    not_checked = []
     if config.steps >= MIN_STEPS_TO_JUDGE_LEARNING:
         checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
     else:

@@ -15,7 +15,14 @@ import torch
 from zerolens.compat import check_supported
 from zerolens.errors import UserError, one_line_error
 from zerolens.models.data import make_batch
-from zerolens.models.model import MIXED_WEIGHTS, ModelConfig, parameter_shapes, user_model, weight_bytes
+from zerolens.models.model import (
+    MIXED_WEIGHTS,
+    ModelConfig,
+    parameter_shapes,
+    trainable_flags,
+    user_model,
+    weight_bytes,
+)
 from zerolens.run.config import RunConfig
 from zerolens.run.faults import fault_from_environment
 from zerolens.strategies import loss_of, registry
@@ -60,7 +67,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
             registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
                                       reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes,
                                       param_persistence_threshold=config.param_persistence_threshold,
-                                      weight_bytes=weights)
+                                      weight_bytes=weights, trainable=trainable_flags(config.model))
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
 

@@ -33,7 +33,7 @@ from zerolens.measure.allocator import clear_cublas_workspaces
 from zerolens.measure.probe import MemoryProbe
 from zerolens.measure.timer import StepTimer
 from zerolens.models.data import rank_batches
-from zerolens.models.model import frozen_parameters, parameter_shapes, weight_bytes
+from zerolens.models.model import parameter_shapes, trainable_flags, weight_bytes
 from zerolens.report import files, render
 from zerolens.report.checks import metrics_complete
 from zerolens.report.summary import build_summary
@@ -308,7 +308,7 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
                             versions(), param_shapes=[tuple(s) for s in shapes],
                             metrics=metrics_complete(out, config.strategies, config.steps, config.nproc),
                             predicted_peaks=read_predicted_peaks(out), weight_bytes=weight_bytes(config.model),
-                            not_modelled=frozen_parameters(config.model))
+                            trainable=trainable_flags(config.model))
     text = render.render(summary, command)
     files.write_json(out / "summary.json", summary)
     files.write_atomic(out / "report.md", text)

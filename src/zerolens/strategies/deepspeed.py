@@ -409,10 +409,14 @@ class DeepSpeedStepModel(Strategy):
         from zerolens.strategies.layout import zero_partition_layout
         self.device = device
         with torch.no_grad():
-            params = list(model.parameters())
-            if self.stage == 0:
-                for p in params:
+            # The engine casts the whole model; the optimizer has the parameters that train (a frozen
+            # one, a LoRA base, has no gradient, master or partition: it stays a 16-bit tensor of its
+            # own). Below, ZeRO-1/2 make the trained ones views of their flat buffer.
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in model.parameters():
+                if self.stage == 0 or not p.requires_grad:
                     p.data = p.data.to(self.dtype)
+            if self.stage == 0:
                 self.params = params
                 self.masters = [p.detach().float() for p in params] if self.dtype != torch.float32 else params
                 self.opt = torch_adamw(self.masters, self.settings, self.cuda)

@@ -412,30 +412,39 @@ class DeepSpeedStage3StepModel(Strategy):
         c, n = self.config, self.world_size
         self.device, self.module = device, model
         params = list(model.parameters())
-        # stage3.py, _create_fp16_sub_groups: sub-groups of at least sub_group_size shard elements.
         shard_numels = [math.ceil(p.numel() / n) for p in params]
+        # The optimizer's parameters are those that train (_get_trainable_parameter_groups): a frozen
+        # one is partitioned like the others, but its shard stays a tensor of its own, outside the
+        # flat buffer, the sub-groups, the masters and the gradient partitions.
+        trained = [i for i, p in enumerate(params) if p.requires_grad]
+        # stage3.py, _create_fp16_sub_groups: sub-groups of at least sub_group_size shard elements.
         self.sub_groups: list[list[int]] = [[]]
         filled = 0
-        for i, numel in enumerate(shard_numels):
+        for i in trained:
             if filled >= c.sub_group_size:
                 self.sub_groups.append([])
                 filled = 0
             self.sub_groups[-1].append(i)
-            filled += numel
+            filled += shard_numels[i]
+        self.sub_groups = [g for g in self.sub_groups if g]
         with torch.no_grad():
             # The shards in one flat buffer (stage3.py, _create_fp16_partitions_with_defragmentation),
             # every parameter empty (partitioned at set-up, the persistent ones too).
-            self.shards = torch.empty(sum(shard_numels), dtype=self.dtype, device=device)
+            self.shards = torch.empty(sum(shard_numels[i] for i in trained), dtype=self.dtype, device=device)
             self.sharded: dict[nn.Parameter, ShardedParam] = {}
-            offset = 0
+            offset, flat_offset = 0, {}
             for i, (p, numel) in enumerate(zip(params, shard_numels)):
+                if p.requires_grad:
+                    shard, flat_offset[i] = self.shards.narrow(0, offset, numel), offset
+                    offset += numel
+                else:
+                    shard = torch.empty(numel, dtype=self.dtype, device=device)
                 # parameter_offload.py, mark_persistent_parameters (model_persistence_threshold: no limit)
-                self.sharded[p] = ShardedParam(p, i, p.numel(), p.shape, shard=self.shards.narrow(0, offset, numel),
+                self.sharded[p] = ShardedParam(p, i, p.numel(), p.shape, shard=shard,
                                                persist=p.numel() <= c.param_persistence_threshold)
-                offset += numel
                 p.data = torch.empty(0, dtype=self.dtype, device=device)
             self.params = list(self.sharded.values())
-            self.group_shards = [self.shards.narrow(0, sum(shard_numels[:g[0]]), sum(shard_numels[j] for j in g))
+            self.group_shards = [self.shards.narrow(0, flat_offset[g[0]], sum(shard_numels[j] for j in g))
                                  for g in self.sub_groups]
             # The fp32 masters (stage3.py, _create_fp32_partitions): a copy of each sub-group's shards,
             # in fp32 runs too: the branch that would use fp32 shards themselves compares the shards'
@@ -445,12 +454,9 @@ class DeepSpeedStage3StepModel(Strategy):
             # stage3.py, _setup_for_real_optimizer: the reduce bucket (contiguous_gradients) and the
             # gradient partitions, both kept for the whole run.
             self.bucket = torch.empty(c.reduce_bucket_size, dtype=self.dtype, device=device)
-            self.grad_partitions = torch.zeros(sum(shard_numels), dtype=self.dtype, device=device)
-            self.grad_partition_of: dict[ShardedParam, torch.Tensor] = {}
-            offset = 0
-            for p, numel in zip(self.params, shard_numels):
-                self.grad_partition_of[p] = self.grad_partitions.narrow(0, offset, numel)
-                offset += numel
+            self.grad_partitions = torch.zeros(self.shards.numel(), dtype=self.dtype, device=device)
+            self.grad_partition_of: dict[ShardedParam, torch.Tensor] = {
+                self.params[i]: self.grad_partitions.narrow(0, flat_offset[i], shard_numels[i]) for i in trained}
         self.coordinator = Coordinator(n, self.rank, prefetch_bucket_size=c.prefetch_bucket_size,
                                        max_live_parameters=c.max_live_parameters,
                                        max_reuse_distance=c.max_reuse_distance)

@@ -150,10 +150,28 @@ class Layout:
     # train as they are (gradients and AdamW's moments in the weights' dtype); DeepSpeed casts the
     # model to its own precision whatever it was built in.
     weight_bytes: int = FP32
+    # Which parameters train (requires_grad), in param_numels' order; None: all. A frozen one (a LoRA
+    # base) has no gradient and no optimizer state with any backend, and DeepSpeed's ZeRO-1/2 leave it
+    # out of their flat partition.
+    trainable: tuple[bool, ...] | None = None
 
     @property
     def psi(self) -> int:
         return sum(self.param_numels)
+
+    @property
+    def trained_numels(self) -> list[int]:
+        return self.param_numels if self.trainable is None else [
+            n for n, trains in zip(self.param_numels, self.trainable) if trains]
+
+    @property
+    def trained_shapes(self) -> list[tuple[int, ...]] | None:
+        return self.param_shapes if self.trainable is None or self.param_shapes is None else [
+            s for s, trains in zip(self.param_shapes, self.trainable) if trains]
+
+    @property
+    def trained_psi(self) -> int:
+        return sum(self.trained_numels)
 
     @property
     def element_bytes(self) -> int:
@@ -177,14 +195,18 @@ def retained(param_bytes: int, grad_bytes_after_backward: int, grad_bytes_after_
 def torch_ddp_layout(x: Layout) -> dict:
     """The weights as built (fp32 under autocast) and gradients of their dtype; the buckets mirror
     the gradients; AdamW's two moments in the weights' dtype."""
-    psi, w = x.psi, x.weight_bytes
-    return retained(w * psi, w * psi, 0, 2 * w * psi + STEP_COUNTER * len(x.param_numels), w * psi, psi)
+    psi, trained, w = x.psi, x.trained_psi, x.weight_bytes
+    return retained(w * psi, w * trained, 0, 2 * w * trained + STEP_COUNTER * len(x.trained_numels), w * trained,
+                    trained)
 
 
 def deepspeed_stage0_layout(x: Layout) -> dict:
     """DeepSpeed without ZeRO: whole 16-bit (or fp32) weights and gradients, fp32 masters in 16-bit."""
-    psi, e = x.psi, x.element_bytes
+    psi, trained, e = x.psi, x.trained_psi, x.element_bytes
     if x.precision == "bf16" and x.deepspeed.stage0_bf16_wrapper == "BF16_Optimizer":
+        if x.trainable is not None and not all(x.trainable):
+            raise ValueError("frozen parameters under DeepSpeed 0.16's BF16_Optimizer (bf16 without ZeRO) are not "
+                             "modelled")
         # bf16 weights in one flat buffer padded as ZeRO-1/2 pad it, their bf16 gradients (kept
         # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
         # never freed); fp32 masters and one Adam state on the rank's 1/N slice
@@ -193,28 +215,33 @@ def deepspeed_stage0_layout(x: Layout) -> dict:
         padded = p * x.world_size
         return retained(e * padded, e * psi + FP32 * padded, e * psi + FP32 * padded,
                         (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, psi)
-    # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter
-    masters = FP32 * psi if e == 2 else 0
-    return retained(e * psi, e * psi, 0, masters + ADAM_MOMENTS * psi + STEP_COUNTER * len(x.param_numels), 0, psi)
+    # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter it trains
+    masters = FP32 * trained if e == 2 else 0
+    return retained(e * psi, e * trained, 0, masters + ADAM_MOMENTS * trained + STEP_COUNTER * len(x.trained_numels),
+                    0, trained)
 
 
 def deepspeed_flat_partition_layout(x: Layout) -> dict:
-    """ZeRO-1/2: one flat group; the reduce bucket is freed by backward's end."""
-    part = zero_partition_layout(x.param_numels, x.world_size)[x.rank]
+    """ZeRO-1/2: one flat group of the parameters that train (frozen ones stay whole, in 16-bit, on
+    every rank); the reduce bucket is freed by backward's end."""
+    part = zero_partition_layout(x.trained_numels, x.world_size)[x.rank]
     p, e = part.partition_elements, x.element_bytes
-    return retained(e * p * x.world_size, e * part.held_grad_elements, 0, (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER,
-                    0, p)
+    frozen = x.psi - x.trained_psi
+    return retained(e * (p * x.world_size + frozen), e * part.held_grad_elements, 0,
+                    (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, p)
 
 
 def deepspeed_stage3_layout(x: Layout) -> dict:
-    """ZeRO-3: shards, small parameters kept whole, a persistent gradient partition and bucket."""
+    """ZeRO-3: shards of every parameter (frozen ones too), small parameters kept whole, a persistent
+    gradient partition of those that train and a bucket."""
     shard, e = stage3_shard_elements(x.param_numels, x.world_size), x.element_bytes
+    trained = stage3_shard_elements(x.trained_numels, x.world_size)
     # Small parameters stay gathered after their first use, in a buffer of N padded shards.
     # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
     persistent = 0 if x.world_size == 1 else sum(math.ceil(n / x.world_size) * x.world_size for n in x.param_numels
                                                  if n <= x.param_persistence_threshold)
-    return retained(e * (shard + persistent), e * shard, e * shard, (FP32 + ADAM_MOMENTS) * shard + STEP_COUNTER,
-                    e * x.reduce_bucket_size, shard)
+    return retained(e * (shard + persistent), e * trained, e * trained, (FP32 + ADAM_MOMENTS) * trained + STEP_COUNTER,
+                    e * x.reduce_bucket_size, trained)
 
 
 def fsdp2_layout(x: Layout) -> dict:
@@ -223,6 +250,8 @@ def fsdp2_layout(x: Layout) -> dict:
     when the gathered copies go."""
     if x.param_shapes is None:
         raise ValueError("FSDP2's layout needs the parameters' shapes (param_shapes)")
-    padded, held = fsdp2_shard_elements(x.param_shapes, x.world_size, x.rank)
+    padded, _ = fsdp2_shard_elements(x.param_shapes, x.world_size, x.rank)
+    trained_padded, trained_held = fsdp2_shard_elements(x.trained_shapes, x.world_size, x.rank)
     w = x.weight_bytes
-    return retained(w * padded, w * padded, 0, 2 * w * held + STEP_COUNTER * len(x.param_numels), 0, held)
+    return retained(w * padded, w * trained_padded, 0, 2 * w * trained_held + STEP_COUNTER * len(x.trained_numels), 0,
+                    trained_held)

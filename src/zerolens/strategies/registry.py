@@ -128,12 +128,15 @@ def make_strategy(name: str, settings):
 def predict_retained(name: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
                      reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
                      deepspeed: DeepSpeedLayout | None = None,
-                     param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD, weight_bytes: int = 4) -> dict:
+                     param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD, weight_bytes: int = 4,
+                     trainable: list[bool] | None = None) -> dict:
     """Bytes a rank of strategy `name` holds per component (RETAINED_KEYS), from parameter sizes
-    (`weight_bytes`: the weights' element size as the model is built, models.model.weight_bytes)."""
+    (`weight_bytes`: the weights' element size as the model is built, models.model.weight_bytes;
+    `trainable`: which parameters train, models.model.trainable_flags; None: all)."""
     layout = Layout(param_numels=param_numels, world_size=world_size, rank=rank, precision=precision,
                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
                     param_persistence_threshold=param_persistence_threshold, weight_bytes=weight_bytes,
+                    trainable=None if trainable is None else tuple(trainable),
                     **({"deepspeed": deepspeed} if deepspeed is not None else {}))
     predicted = spec(name).layout(layout)
     return {k: predicted[k] for k in RETAINED_KEYS}
