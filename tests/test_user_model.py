@@ -56,6 +56,32 @@ def test_verify_a_model_with_frozen_parameters(tmp_path, model, trained):
     assert summary["strategies"]["zero2"]["ranks"][0]["grad_partition_elements"] == trained // 2
 
 
+@pytest.mark.slow
+def test_verify_a_hugging_face_model_with_the_users_own_gradient_checkpointing(tmp_path):
+    """The tiny Llama with gradient_checkpointing_enable() called in the user's factory: recomputation
+    is traced as it runs, and every rank's peak is as predicted."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", "zerolens_test_models:llama_with_checkpointing", "--batch",
+                      "zerolens_test_models:llama_batch", "--strategies", "ddp,fsdp2", "--steps", "4", "--out", str(out),
+                      timeout=300, env=ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS"
+    predicted = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
+    assert len(predicted) == 2 * 2 and all(c["passed"] for c in predicted)
+
+
+def test_a_model_the_user_compiled_is_not_predicted_at_the_peak(cli):
+    """torch.compile in the factory changes what forward saves; the trace would follow the eager model,
+    so the peak is said not predicted (the retained bytes do not depend on it)."""
+    result = cli("estimate", "--model", "zerolens_test_models:compiled_classifier", "--batch",
+                 "zerolens_test_models:tiny_batch", "--strategies", "ddp", "--json")
+    assert result.returncode == 0, result.stderr
+    ddp = json.loads(result.stdout)["strategies"]["ddp"]
+    assert "the model is compiled" in ddp["peak_not_predicted"] and ddp["ranks"][0]["param_bytes"] > 0
+
+
 @pytest.mark.parametrize("model", ["mixed_weights"])
 def test_estimate_refuses_what_it_does_not_model(cli, model):
     result = cli("estimate", "--model", f"zerolens_test_models:{model}", "--batch", "zerolens_test_models:tiny_batch")

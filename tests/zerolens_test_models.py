@@ -131,3 +131,40 @@ def lora_classifier():
         block[0] = LoRALinear(block[0])
     model.head.requires_grad_(True)
     return model
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM returning its logits alone, as zerolens's contract asks."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm(tokens).logits
+
+
+def llama_with_checkpointing():
+    """The tiny Llama of examples/hf with transformers' gradient checkpointing enabled by the user."""
+    import json
+    from pathlib import Path
+
+    import transformers
+    config = json.loads((Path(__file__).parent.parent / "examples" / "hf" / "llama-tiny.json").read_text())
+    lm = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    lm.gradient_checkpointing_enable()
+    return LogitsOnly(lm)
+
+
+def llama_batch(step, batch_size, seed):
+    """Next-token prediction on 16 random tokens of the tiny Llama's vocabulary (1024)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    tokens = torch.randint(1024, (batch_size, 17), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def compiled_classifier():
+    """tiny_classifier under the user's own torch.compile."""
+    import torch
+    return torch.compile(tiny_classifier())

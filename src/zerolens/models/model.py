@@ -227,6 +227,16 @@ def weight_bytes(config: ModelConfig) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def compiled(config: ModelConfig) -> bool:
+    """Whether the model is compiled, by --compile or by the user's own factory (torch.compile of the
+    model or of a part, or a module's .compile())."""
+    if config.compile_blocks:
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in meta_model(config).modules())
+
+
 def trainable_flags(config: ModelConfig) -> list[bool]:
     """Which of the model's parameters train (requires_grad), in parameters() order: a frozen
     embedding or a LoRA base does not."""

@@ -26,7 +26,14 @@ import warnings
 
 import torch
 
-from zerolens.models.model import ModelConfig, meta_model, parameter_shapes, to_empty_keeping_ties, trainable_flags
+from zerolens.models.model import (
+    ModelConfig,
+    compiled,
+    meta_model,
+    parameter_shapes,
+    to_empty_keeping_ties,
+    trainable_flags,
+)
 from zerolens.predict.allocator import allocator_needs
 from zerolens.predict.without_gpu import gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
@@ -307,8 +314,6 @@ def why_not_predicted(name: str, config) -> str | None:
     unmodelled = spec.not_modelled(config.train_settings())
     if unmodelled:
         return f"its step model does not model these settings of the run's DeepSpeed config: {'; '.join(unmodelled)}"
-    if config.model.compile_blocks:
-        return "--compile changes what forward saves; the prediction traces the eager model"
     return None
 
 
@@ -327,6 +332,9 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
     the fault is a step model's."""
     if registry.spec(name).step_model is None:
         return {"why_not": not_predicted_yet(name)}
+    if compiled(model_config):
+        return {"why_not": "the model is compiled (--compile, or torch.compile in its factory), which changes what "
+                           "forward saves; the prediction traces the eager model"}
     alike = ranks_alike(name, model_config, settings)
     try:
         traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options) for rank in set(alike.values())}
