@@ -155,13 +155,19 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         step_model.setup(to_empty_keeping_ties(model, device), device)
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
 
+        # CPU: the buffers a gloo collective holds, per phase that runs it (checks.peak_prediction_check)
+        collective_buffers: dict[str, set[int]] = {name: set() for name in PHASES}
+        modelled_buffers = getattr(step_model, "collective_buffer_sizes", [])
+
         @contextlib.contextmanager
         def phase(name: str, into: dict):
             reset_tracker_peak(tracker)
             if requests is not None and len(traced) == 1:  # the first step allocates the workspaces
                 requests.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
+            before = len(gloo_copies), len(modelled_buffers)
             yield
             into[name] = tracker_total(tracker, "peak")
+            collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 
         for step in range(steps):
             tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
@@ -188,9 +194,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
                   "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
                   "target": "cpu" if cuda_capability is None else "cuda", "traced_on": traced_on(device),
                   "batch_bytes": tokens.nbytes + labels.nbytes,
-                  # CPU: the largest tensor a gloo collective holds (checks.peak_prediction_check)
-                  "gloo_late_free_bytes": max([*gloo_copies, getattr(step_model, "collective_buffer_bytes", 0)])
-                  if cuda_capability is None else 0}
+                  "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
+                  if cuda_capability is None else {}}
 
 
 @contextlib.contextmanager
@@ -249,8 +254,9 @@ def gloo_reduce_scatter_copies():
     reduce_scatter_single (FSDP2's; NCCL, on CUDA, makes none). On the tiny Llama of examples/hf it
     was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
     copies' sizes in bytes: gloo's own thread holds a copy too, and now and then frees it after the
-    next operation has allocated (checks.peak_prediction_check allows for one such buffer; a step
-    model whose collectives are modelled, not run, says its largest as `collective_buffer_bytes`)."""
+    next operation has allocated (checks.peak_prediction_check allows for one such buffer in the phase
+    that ran it; a step model whose collectives are modelled, not run, lists their buffers' sizes as
+    `collective_buffer_sizes`)."""
     import torch.distributed as dist
     original = dist.reduce_scatter_single
     sizes: list[int] = []

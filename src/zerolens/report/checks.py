@@ -265,10 +265,11 @@ def peak_prediction_check(name: str, rank: dict) -> dict:
     both sides): every phase within 1%, or within the bytes of the rank's batch (tokens and
     labels), which the tracker counts or not depending on how the training loop holds them (a few
     hundred bytes that are more than 1% of a tiny model's peak), or measured above the prediction by
-    at most the largest buffer a gloo collective holds (`gloo_late_free_bytes`: FSDP2's reduce-scatter
-    copies, predict.peak.gloo_reduce_scatter_copies; DeepSpeed's flat all-reduce copies): the trace
-    frees each when the collective is waited on, and gloo's own thread, which holds it too, now and
-    then frees it a little later, so a run's peak may catch one. CUDA: the highest peak within 3%
+    one buffer of a gloo collective that the phase runs, within the same margin (`gloo_late_free_bytes`,
+    per phase: FSDP2's reduce-scatter copies, predict.peak.gloo_reduce_scatter_copies; DeepSpeed's flat
+    all-reduce copies): the trace frees each when the collective is waited on, and gloo's own thread,
+    which holds it too, now and then frees it a little later, so a run's peak may catch one. An error
+    of another size, or in a phase without such a collective, fails. CUDA: the highest peak within 3%
     of the allocator's and every phase's within 5%."""
     predicted = predicted_for_measurement(rank)
     # The phases measured on this rank (CPU: the last step's; CUDA: each phase's highest over the steps).
@@ -279,15 +280,19 @@ def peak_prediction_check(name: str, rank: dict) -> dict:
     worst = max(errors, key=lambda phase: abs(errors[phase]))
     if rank["predicted_peaks"]["target"] == "cpu":
         slack = rank["predicted_peaks"]["batch_bytes"]
-        late_copy = rank["predicted_peaks"].get("gloo_late_free_bytes", 0)
-        passed = all(misses[phase] <= max(PEAK_PREDICTION_TOLERANCE_CPU * measured[phase], slack)
-                     or 0 < measured[phase] - expected[phase] <= late_copy for phase in errors)
+        late = rank["predicted_peaks"].get("gloo_late_free_bytes") or {}
+
+        def within(phase: str, miss: int) -> bool:
+            return miss <= max(PEAK_PREDICTION_TOLERANCE_CPU * measured[phase], slack)
+        passed = all(within(phase, misses[phase]) or any(
+            within(phase, abs(measured[phase] - expected[phase] - size)) for size in late.get(phase, ()))
+            for phase in errors)
         tolerance = (f"each phase within {PEAK_PREDICTION_TOLERANCE_CPU:.0%} or the batch's {slack} bytes (CPU: both "
                      "from torch's MemTracker)")
-        if late_copy:
-            tolerance += (f", or above the prediction by at most one buffer of a gloo collective (the largest: "
-                          f"{late_copy} bytes), which gloo's own thread now and then frees after the next "
-                          "operation has allocated")
+        if late:
+            tolerance += (", or above the prediction by one buffer of a gloo collective the phase runs (" + "; ".join(
+                f"{phase}: {', '.join(map(str, sizes))} bytes" for phase, sizes in late.items()) + "), within the "
+                "same margin: gloo's own thread now and then frees one after the next operation has allocated")
         detail = f"worst: {worst} {errors[worst]:+.2%} ({misses[worst]} bytes)"
     else:
         overall = predicted["peak_bytes"] / rank["peak_bytes"] - 1

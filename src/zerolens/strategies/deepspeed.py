@@ -402,8 +402,9 @@ class DeepSpeedStepModel(Strategy):
             raise ValueError(f"no step model for ZeRO-{stage}")
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = DTYPES[settings.precision]
-        # The largest flat copy a collective reduces (a gloo run's thread may free it late: checks.py).
-        self.collective_buffer_bytes = 0
+        # The bytes of each flat copy a collective reduces, in order (a gloo run's thread may free one
+        # late: predict/peak.py, checks.py).
+        self.collective_buffer_sizes: list[int] = []
 
     def setup(self, model, device):
         from zerolens.strategies.layout import zero_partition_layout
@@ -436,6 +437,8 @@ class DeepSpeedStepModel(Strategy):
                 self.in_partition = [params[i] for i in part.overlapping_params]
                 self.in_partition_ids = {id(p) for p in self.in_partition}
                 self.first_param_offset = sum(numels[:part.overlapping_params[0]]) if part.overlapping_params else 0
+                # Each parameter's place in the flat buffer, for the slices each rank reduces.
+                self.flat_offset = {id(p): sum(numels[:i]) for i, p in enumerate(params)}
         self.module = model
         self.grads_in_partition = None
         self.bucket = None
@@ -497,7 +500,7 @@ class DeepSpeedStepModel(Strategy):
 
     def _allreduce_and_copy(self, bucket: list[torch.Tensor]) -> None:
         flat = _flatten_dense_tensors(bucket)
-        self.collective_buffer_bytes = max(self.collective_buffer_bytes, flat.nbytes)
+        self.collective_buffer_sizes.append(flat.nbytes)
         for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(synced)
 
@@ -524,12 +527,28 @@ class DeepSpeedStepModel(Strategy):
         elements = sum(p.numel() for p in self.pending)
         if elements:
             flat = torch.empty(elements, dtype=self.dtype, device=self.device)
-            self.collective_buffer_bytes = max(self.collective_buffer_bytes, flat.nbytes)
+            self.collective_buffer_sizes += [flat.nbytes, *(n * flat.element_size() for n in self._slices_per_rank())]
             del flat
         if self.grads_in_partition is None and any(id(p) in self.in_partition_ids for p in self.pending):
             self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
                                                   device=self.device)
         self.bucket_used, self.pending = 0, []
+
+    def _slices_per_rank(self) -> list[int]:
+        """The elements of each stretch of the bucket that one rank's partition receives, the bucket's
+        gradients in the order they came (average_tensor's rank_and_offsets, consecutive pieces for
+        the same rank merged): a gloo reduce holds a copy of each, which gloo's thread may free late."""
+        size = self.partition.partition_elements
+        runs: list[list[int]] = []  # [rank, elements]
+        for p in self.pending:
+            start = self.flat_offset[id(p)]
+            for rank in range(start // size, (start + p.numel() - 1) // size + 1):
+                piece = min(start + p.numel(), (rank + 1) * size) - max(start, rank * size)
+                if runs and runs[-1][0] == rank:
+                    runs[-1][1] += piece
+                else:
+                    runs.append([rank, piece])
+        return [elements for _, elements in runs]
 
     def step(self):
         with torch.no_grad():
