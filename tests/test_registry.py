@@ -64,3 +64,20 @@ def test_a_plugin_that_cannot_load_is_one_line_and_exit_2(plugins, message, tmp_
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"zerolens: {message}"), result.stderr
+
+
+def test_a_deepspeed_release_whose_step_is_not_modelled_is_said(monkeypatch):
+    """Under DeepSpeed 0.16, bf16 without ZeRO steps through BF16_Optimizer, which zero0's step model
+    (0.17 to 0.19's) does not follow: its peak is said not predicted, naming the release; the other
+    stages, and other precisions, are modelled (measured under 0.16.9: docs/results/deepspeed-compat/issue22)."""
+    from zerolens.models.model import PRESETS
+    from zerolens.predict.peak import why_not_traced
+    from zerolens.strategies import TrainSettings
+    monkeypatch.setattr("zerolens.compat.installed_version", lambda package: "0.16.9")
+    bf16 = TrainSettings(precision="bf16")
+    why = why_not_traced("zero0", PRESETS["gpt-tiny"], bf16)
+    assert why.startswith("DeepSpeed 0.16.9 trains bf16 without ZeRO through its BF16_Optimizer")
+    assert why_not_traced("zero2", PRESETS["gpt-tiny"], bf16) is None
+    assert why_not_traced("zero0", PRESETS["gpt-tiny"], TrainSettings(precision="fp32")) is None
+    monkeypatch.setattr("zerolens.compat.installed_version", lambda package: "0.17.6")
+    assert why_not_traced("zero0", PRESETS["gpt-tiny"], bf16) is None

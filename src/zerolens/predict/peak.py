@@ -312,23 +312,36 @@ def not_predicted_yet(name: str) -> str:
     return f"zerolens does not predict {name}'s peak yet"
 
 
-def why_not_predicted(name: str, config) -> str | None:
-    """Why zerolens does not predict this strategy's peak in this run (a RunConfig), or None."""
+def why_not_traced(name: str, model_config: ModelConfig, settings: TrainSettings) -> str | None:
+    """Why zerolens does not predict strategy `name`'s peak for this model and these settings, or
+    None: no step model, settings of a DeepSpeed config or a backend release it does not model, or
+    a compiled model."""
     spec = registry.spec(name)
     if spec.step_model is None:
         return not_predicted_yet(name)
-    unmodelled = spec.not_modelled(config.train_settings())
+    unmodelled = spec.not_modelled(settings)
     if unmodelled:
         return f"its step model does not model these settings of the run's DeepSpeed config: {'; '.join(unmodelled)}"
+    release = spec.release_not_modelled(settings)
+    if release:
+        return release
+    if compiled(model_config):
+        return ("the model is compiled (--compile, or torch.compile in its factory), which changes what forward "
+                "saves; the prediction traces the eager model")
     return None
+
+
+def why_not_predicted(name: str, config) -> str | None:
+    """why_not_traced for a run (a RunConfig)."""
+    return why_not_traced(name, config.model, config.train_settings())
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:
     """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
     many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer)."""
-    return {name: {"why_not": why} if (why := why_not_predicted(name, config)) else predict_or_why_not(
-        name, config.model, config.train_settings(), seed=config.seed, cuda_capability=cuda_capability,
-        trace_on=trace_on, steps=min(STEPS, config.steps + config.warmup_steps)) for name in config.strategies}
+    return {name: predict_or_why_not(name, config.model, config.train_settings(), seed=config.seed,
+                                     cuda_capability=cuda_capability, trace_on=trace_on,
+                                     steps=min(STEPS, config.steps + config.warmup_steps)) for name in config.strategies}
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
@@ -336,11 +349,9 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
     standing for all the ranks that allocate alike (ranks_alike). A model that cannot be traced on
     fake tensors is not predicted, and its run goes on; the traceback is kept (`traceback`) in case
     the fault is a step model's."""
-    if registry.spec(name).step_model is None:
-        return {"why_not": not_predicted_yet(name)}
-    if compiled(model_config):
-        return {"why_not": "the model is compiled (--compile, or torch.compile in its factory), which changes what "
-                           "forward saves; the prediction traces the eager model"}
+    why = why_not_traced(name, model_config, settings)
+    if why:
+        return {"why_not": why}
     alike = ranks_alike(name, model_config, settings)
     try:
         traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options) for rank in set(alike.values())}

@@ -145,7 +145,8 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                 checks.append(allocator_check(name, rank))
                 checks += [peak_check(name, rank["rank"], phase, anatomy)
                            for phase, anatomy in (rank["peak_anatomy"] or {}).items()]
-    not_checked = []
+    not_checked = [{"name": f"peak as predicted ({name})", "why": s["peak_not_predicted"]}
+                   for name, s in strategies.items() if "peak_not_predicted" in s]
     if config.steps >= MIN_STEPS_TO_JUDGE_LEARNING:
         checks += [loss_fell(name, s["losses"]) for name, s in strategies.items()]
     else:

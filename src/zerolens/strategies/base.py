@@ -98,6 +98,12 @@ class Strategy(abc.ABC):
         (none by default); where there are any, the run's peak is not predicted and they are said."""
         return []
 
+    @classmethod
+    def release_not_modelled(cls, settings: TrainSettings, **options) -> str | None:
+        """A step model's: why the installed release of its backend steps otherwise than it models,
+        or None (the default: it follows every supported release)."""
+        return None
+
     @abc.abstractmethod
     def setup(self, model: nn.Module, device: torch.device) -> None:
         """Wrap the model (fp32, on the CPU) and build the optimizer."""

@@ -90,6 +90,10 @@ class StrategySpec:
         """The run's settings its step model does not model (Strategy.not_modelled)."""
         return self.step_model_class().not_modelled(settings, **self.options)
 
+    def release_not_modelled(self, settings) -> str | None:
+        """Why its step model does not follow the installed backend's release (Strategy.release_not_modelled)."""
+        return self.step_model_class().release_not_modelled(settings, **self.options)
+
     def gradient_share(self, world_size: int) -> float:
         """The fraction of the unsharded gradient bytes a rank keeps after backward, before padding."""
         return 1 / world_size if self.shards_gradients else 1.0
