@@ -110,12 +110,43 @@ def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_
     ('{"gradient_accumulation_steps": 2}', "zerolens steps without accumulation"),
     ('{"train_micro_batch_size_per_gpu": 4}', "pass --micro-batch 4"),
     ('{"fp16": {"enabled": true}}', "enables fp16 but the run's precision is bf16"),
+    # DeepSpeed itself passes over a top-level key it does not know: a misspelt section would leave the run
+    # on zerolens's defaults.
+    ('{"zero_optimizaton": {"stage": 2}}', "DeepSpeed does not read the top-level key 'zero_optimizaton' "
+                                           "(did you mean 'zero_optimization'?)"),
 ])
 def test_bad_config_files(cli, tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(content)
     result = cli("verify", "--ds-config", str(path), "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_top_level_keys_deepspeed_reads_are_taken(tmp_path):
+    """The keys DeepSpeed's own parser looks up are its known ones: sections zerolens never sets pass."""
+    import argparse
+
+    from zerolens.commands import verify
+    from zerolens.run.flags import config_from_args
+    from zerolens.run.validate import check_config
+    path = tmp_path / "ds.json"
+    path.write_text('{"steps_per_print": 5, "wall_clock_breakdown": false, "tensorboard": {"enabled": false}}')
+    parser = argparse.ArgumentParser()
+    verify.add_parser(parser.add_subparsers())
+    config = config_from_args(parser.parse_args(["verify", "--ds-config", str(path), "--strategies", "zero2"]),
+                              gpus_visible=0, checked=True)
+    check_config(config, gpus_visible=0)  # raises UserError on a key DeepSpeed does not read
+
+
+@pytest.mark.parametrize("flag, value", [("--ds-config", '{"steps_per_print": 5}'),
+                                         ("--ds-override", '{"zero_optimization": {"overlap_comm": true}}')])
+def test_a_deepspeed_config_without_a_deepspeed_strategy_is_refused(cli, tmp_path, flag, value):
+    if flag == "--ds-config":
+        (tmp_path / "ds.json").write_text(value)
+        value = str(tmp_path / "ds.json")
+    result = cli("verify", flag, value, "--strategies", "ddp,fsdp2", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and f"{flag}: none of the strategies (ddp, fsdp2) runs DeepSpeed" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 

@@ -4,6 +4,7 @@ device, and a layout every strategy can predict. Each failure is a UserError of 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import io
 import logging
@@ -43,6 +44,11 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     except ValueError as e:
         raise UserError(str(e)) from None
     check_supported("torch", torch.__version__)
+    if (config.ds_config or config.ds_override) and not registry.needing_deepspeed(config.strategies):
+        given = " and ".join(flag for flag, value in (("--ds-config", config.ds_config),
+                                                      ("--ds-override", config.ds_override)) if value)
+        raise UserError(f"{given}: none of the strategies ({', '.join(config.strategies)}) runs DeepSpeed, so it would "
+                        "not be used; add a zero strategy to --strategies, or leave it out")
     if running and registry.needing_deepspeed(config.strategies):
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
@@ -129,7 +135,37 @@ def validate_deepspeed_configs(config: RunConfig, DeepSpeedConfig) -> None:
         # group); the batch arithmetic over the ranks is checked by check_user_ds_config.
         ds_config = {**ds_config, "train_batch_size": ds_config.get("train_micro_batch_size_per_gpu", 1)
                      * ds_config.get("gradient_accumulation_steps", 1)}
+        read = KeysRead(ds_config)
         try:
-            DeepSpeedConfig(ds_config)
+            DeepSpeedConfig(read)
         except Exception as e:  # pydantic's ValidationError, DeepSpeed's own asserts and ValueErrors
             raise UserError(f"{name}: DeepSpeed rejects its config: {one_line_error(e)}") from None
+        # DeepSpeed passes over a top-level key it does not know: a misspelt section would leave the run
+        # on zerolens's defaults, silently. A key of the user's that DeepSpeed never looked up is refused.
+        for key in [*config.ds_config, *config.ds_override]:
+            if key not in read.looked_up:
+                close = difflib.get_close_matches(key, sorted(read.looked_up), n=1)
+                source = "--ds-override" if key in config.ds_override else f"--ds-config {config.ds_config_path}"
+                raise UserError(f"{source}: DeepSpeed does not read the top-level key {key!r}"
+                                + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+class KeysRead(dict):
+    """A DeepSpeed config that remembers which of its top-level keys DeepSpeed's parser looked up
+    (get, [], in): the keys it knows, by its own code rather than a list of ours."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.looked_up: set[str] = set()
+
+    def get(self, key, default=None):
+        self.looked_up.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.looked_up.add(key)
+        return super().__contains__(key)
