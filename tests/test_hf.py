@@ -144,3 +144,10 @@ def test_user_errors(cli, flags, message, tmp_path):
                       str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_an_unknown_model_type_is_one_short_line_with_the_closest_types(cli, tmp_path):
+    """transformers' own message lists every model type it knows (12,000 characters in one line)."""
+    result = cli("estimate", "--model", "hf:lama")
+    assert result.returncode == 2 and "knows no model type 'lama' (close: llama" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and len(result.stderr) < 200

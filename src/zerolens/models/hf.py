@@ -11,6 +11,7 @@ drawn from the model's own vocabulary. Activation checkpointing is transformers'
 """
 from __future__ import annotations
 
+import difflib
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,12 +52,18 @@ def read_config(source: str):
             raise UserError(f"--model hf:{source}: a Hugging Face config.json has a \"model_type\"")
     else:
         values = {"model_type": source}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if values["model_type"] not in CONFIG_MAPPING_NAMES:  # transformers' own message lists every type it knows
+        close = difflib.get_close_matches(str(values["model_type"]), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
+        raise UserError(f"--model hf:{source}: transformers {transformers.__version__} knows no model type "
+                        f"{values['model_type']!r}" + (f" (close: {', '.join(close)})" if close else "")
+                        + "; give a causal LM's type (hf:gpt2) or a config.json")
     try:
         config = transformers.AutoConfig.for_model(**values)
     except (ValueError, KeyError) as e:
         raise UserError(f"--model hf:{source}: transformers {transformers.__version__} cannot make a configuration "
-                        f"of it ({str(e).splitlines()[0]})") from None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                        f"of it ({str(e).splitlines()[0][:200]})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"--model hf:{source}: {config.model_type} is not a causal language model in transformers "
                         f"{transformers.__version__} (zerolens trains AutoModelForCausalLM)")
