@@ -141,7 +141,7 @@ def test_plan_command_table_with_the_deepest_model(cli):
     (["--gpu-memory", "lots"], "--gpu-memory takes a size"),
     (["--gpu-memory", "8GiB", "--device", "cpu"], "plan predicts what fits on GPUs"),
     (["--gpu-memory", "8GiB", "--micro-batches", "0"], "--micro-batches needs positive values"),
-    (["--gpu-memory", "8GiB", "--reduce-bucket-sizes", "inf"], "--reduce-bucket-sizes takes positive, finite"),
+    (["--gpu-memory", "8GiB", "--reduce-bucket-sizes", "inf"], "--reduce-bucket-sizes must be from 1 to 2^61 elements"),
     (["--gpu-memory", "8GiB", "--check"], "--check runs the candidates on 2 GPUs"),
     (["--gpu-memory", "8GiB", "--strategies", "zero4"], "unknown strategy"),
 ])

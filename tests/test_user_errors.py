@@ -85,8 +85,11 @@ def test_bad_timeout_and_fault_variable(cli, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["verify", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be at least 1 element, got 0"),
-    (["verify", "--reduce-bucket-size", "-5"], "--reduce-bucket-size must be at least 1 element, got -5"),
+    (["verify", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be from 1 to 2^61 elements"),
+    (["verify", "--reduce-bucket-size", "-5"], "--reduce-bucket-size must be from 1 to 2^61 elements"),
+    (["verify", "--reduce-bucket-size", "1e20"], "--reduce-bucket-size must be from 1 to 2^61 elements (a tensor's "
+                                                 "bytes are a 64-bit count), got 1e+20"),
+    (["plan", "--gpu-memory", "8GiB", "--reduce-bucket-sizes", "5e7,1e20"], "--reduce-bucket-sizes must be from 1 to 2^61"),
     (["verify", "--strategies", "zero0,zero2", "--ds-override", '{"zero_optimization": {"reduce_bucket_sise": 5}}'],
      "zero0: DeepSpeed rejects its config: reduce_bucket_sise: Extra inputs are not permitted"),
     (["verify", "--strategies", "zero2", "--ds-override", '{"zero_optimization": {"overlap_comm": "maybe"}}'],
@@ -94,7 +97,8 @@ def test_bad_timeout_and_fault_variable(cli, tmp_path):
     (["sweep", "--nproc", "3"], "sweep takes its world sizes from --nproc-list, not --nproc"),
     (["estimate", "--params", "inf"], "--params must be a positive, finite parameter count, got inf"),
     (["estimate", "--params", "nan"], "--params must be a positive, finite parameter count, got nan"),
-    (["estimate", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be at least 1 element"),
+    (["estimate", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be from 1 to 2^61 elements"),
+    (["estimate", "--reduce-bucket-size", "1e20"], "--reduce-bucket-size must be from 1 to 2^61 elements"),
     (["verify", "--reduce-bucket-size", "inf"], "--reduce-bucket-size must be a number of elements, got inf"),
     (["sweep", "--reduce-bucket-sizes", "1e6,inf"], "--reduce-bucket-sizes takes finite numbers"),
     (["sweep", "--reduce-bucket-size", "inf"], "--reduce-bucket-size takes finite numbers"),

@@ -25,6 +25,7 @@ from zerolens.predict.allocator import allocator_setting, outside_allocator_byte
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
 from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device, traced_on
 from zerolens.report.tables import say
+from zerolens.run.config import bucket_elements
 from zerolens.run.flags import (
     PRESET_GPU_PRECISION,
     model_from_args,
@@ -252,8 +253,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     if args.params is not None and not (math.isfinite(args.params) and args.params >= 1):
         raise UserError(f"--params must be a positive, finite parameter count, got {args.params}")
-    if not (math.isfinite(args.reduce_bucket_size) and args.reduce_bucket_size >= 1):
-        raise UserError(f"--reduce-bucket-size must be at least 1 element, got {args.reduce_bucket_size}")
+    bucket_elements(args.reduce_bucket_size)
     if args.micro_batch < 1:
         raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
     if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing or

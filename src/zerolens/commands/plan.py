@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import multiprocessing
 import os
 import re
@@ -31,7 +30,7 @@ from zerolens.models.model import CHECKPOINTABLE_KINDS, parameter_shapes
 from zerolens.predict.peak import target_capability, trace_caveat, trace_device, traced_on
 from zerolens.report.files import write_json
 from zerolens.report.tables import say
-from zerolens.run.config import RunConfig
+from zerolens.run.config import RunConfig, bucket_elements
 from zerolens.run.deepspeed_config import deepspeed_zero_setting
 from zerolens.run.flags import (
     add_verify_arguments,
@@ -386,9 +385,9 @@ def finite_bucket_sizes(text: str) -> list[int]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
-    if not values or not all(math.isfinite(v) and v >= 1 for v in values):
-        raise UserError(f"--reduce-bucket-sizes takes positive, finite element counts, got {text!r}")
-    return sorted({int(v) for v in values})
+    if not values:
+        raise UserError(f"--reduce-bucket-sizes takes element counts, comma-separated, got {text!r}")
+    return sorted({bucket_elements(v, "--reduce-bucket-sizes") for v in values})
 
 
 # --- The command line ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,18 @@ from zerolens.report.files import write_json
 from zerolens.run.deepspeed_config import check_user_ds_config
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.layout import STAGE3_PERSISTENCE_THRESHOLD
+
+# torch counts a tensor's bytes in 64 bits: a bucket of more elements than this, at up to 4 bytes each,
+# cannot be made (DeepSpeed's config takes any integer; the trace would fail on it).
+MAX_BUCKET_ELEMENTS = 2**61
+
+
+def bucket_elements(value: float, flag: str = "--reduce-bucket-size") -> int:
+    """A reduce bucket size in elements, or one line saying why it cannot be one."""
+    if not (math.isfinite(value) and 1 <= value <= MAX_BUCKET_ELEMENTS):
+        raise UserError(f"{flag} must be from 1 to 2^61 elements (a tensor's bytes are a 64-bit count), "
+                        f"got {value:g}")
+    return int(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +94,7 @@ class RunConfig:
             raise UserError(f"--gradient-clipping must be 0 (off) or positive, got {self.gradient_clipping}")
         if self.micro_batch < 1:
             raise UserError(f"--micro-batch must be at least 1, got {self.micro_batch}")
-        if self.reduce_bucket_size < 1:
-            raise UserError(f"--reduce-bucket-size must be at least 1 element, got {self.reduce_bucket_size}")
+        bucket_elements(self.reduce_bucket_size)
         if self.device not in ("cpu", "cuda"):
             raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.precision not in ("fp16", "bf16", "fp32"):
