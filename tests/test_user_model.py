@@ -72,6 +72,22 @@ def test_verify_a_hugging_face_model_with_the_users_own_gradient_checkpointing(t
     assert len(predicted) == 2 * 2 and all(c["passed"] for c in predicted)
 
 
+@pytest.mark.slow
+def test_verify_a_model_on_float_inputs(tmp_path):
+    """An MLP on float features: DeepSpeed runs the model in bf16 but does not cast its inputs, so
+    zero0 failed at its first forward ("mat1 and mat2 must have the same dtype") after DDP had
+    trained. The DeepSpeed strategies now cast floating inputs to the engine's dtype, as DeepSpeed's
+    users do, and say so; every check holds."""
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", "zerolens_test_models:float_mlp", "--batch", "zerolens_test_models:float_batch",
+                      "--strategies", "ddp,zero0,zero3", "--steps", "4", "--out", str(out), timeout=300, env=ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS" and all(c["passed"] for c in summary["checks"])
+    assert sum(c["name"].startswith("peak as predicted") for c in summary["checks"]) == 2 * 3
+    assert "zero0: the batch's floating inputs were cast to bf16" in (out / "report.md").read_text()
+
+
 def test_a_model_the_user_compiled_is_not_predicted_at_the_peak(cli):
     """torch.compile in the factory changes what forward saves; the trace would follow the eager model,
     so the peak is said not predicted (the retained bytes do not depend on it)."""

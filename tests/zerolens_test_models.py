@@ -168,3 +168,16 @@ def compiled_classifier():
     """tiny_classifier under the user's own torch.compile."""
     import torch
     return torch.compile(tiny_classifier())
+
+
+def float_mlp():
+    """An MLP on float features (no embedding): its inputs are floating point, as the batch makes them."""
+    return nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def float_batch(step, batch_size, seed):
+    """For float_mlp: 12 float features per sample; the class is the sign pattern of the first two."""
+    import torch
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    features = torch.randn(batch_size, 12, generator=gen)
+    return features, (features[:, 0] > 0).long() * 2 + (features[:, 1] > 0).long()

@@ -43,6 +43,13 @@ class TrainSettings:
     verbose: bool = False
 
 
+def engine_inputs(inputs: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A batch's inputs as DeepSpeed's users hand them to its engine: on the device, and floating
+    ones in the dtype the engine runs the model in, which DeepSpeed does not cast them to (Hugging
+    Face's Trainer does, in _prepare_input). Token ids stay as they are."""
+    return inputs.to(device, dtype=dtype) if inputs.is_floating_point() else inputs.to(device)
+
+
 def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy in fp32 for a classifier ((B, C) logits, (B,) labels) and a language model
     ((B, T, V) logits, (B, T) labels) alike."""

@@ -11,7 +11,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerolens.measure.census import Holdings, MeasurementError, optimizer_state_tensors, required
-from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, loss_of
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs, loss_of
 
 # runtime/engine.py's MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce buckets after backward close
 # once they hold more than this many elements (allreduce_no_retain).
@@ -164,6 +164,9 @@ class DeepSpeedZero(Strategy):
 
     def notes(self):
         notes = []
+        if getattr(self, "cast_inputs", False):
+            notes.append(f"{self.name}: the batch's floating inputs were cast to {self.settings.precision}, the dtype "
+                         "DeepSpeed runs the model in, as its users do (Hugging Face's Trainer among them)")
         user_stage = (self.settings.user_ds_config.get("zero_optimization") or {}).get("stage")
         if user_stage not in (None, "auto", self.stage):
             notes.append(f"{self.name}: --ds-config says stage {user_stage}; {self.name} runs stage {self.stage}")
@@ -183,7 +186,9 @@ class DeepSpeedZero(Strategy):
         return notes
 
     def forward_loss(self, tokens, labels):
-        logits = self.engine(tokens.to(self.device))
+        dtype = DTYPES[self.settings.precision]
+        self.cast_inputs = tokens.is_floating_point() and tokens.dtype != dtype
+        logits = self.engine(engine_inputs(tokens, self.device, dtype))
         return loss_of(logits, labels.to(self.device))
 
     def backward(self, loss):
@@ -444,7 +449,7 @@ class DeepSpeedStepModel(Strategy):
         self.bucket = None
 
     def forward_loss(self, tokens, labels):
-        return loss_of(self.module(tokens.to(self.device)), labels.to(self.device))
+        return loss_of(self.module(engine_inputs(tokens, self.device, self.dtype)), labels.to(self.device))
 
     def backward(self, loss):
         if self.stage == 0:

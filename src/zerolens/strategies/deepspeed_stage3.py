@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings
-from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, loss_of
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs, loss_of
 from zerolens.strategies.deepspeed import DeepSpeedZero, torch_adamw
 
 NOT_AVAILABLE, IN_FLIGHT, AVAILABLE = "not available", "in flight", "available"  # ZeroParamStatus
@@ -526,7 +526,7 @@ class DeepSpeedStage3StepModel(Strategy):
         self.in_forward = True
         try:
             with self.zero3_linear():
-                logits = self.module(tokens.to(self.device))
+                logits = self.module(engine_inputs(tokens, self.device, self.dtype))
         finally:
             self.in_forward = False
         return loss_of(logits, labels.to(self.device))
