@@ -102,7 +102,7 @@ def test_the_workers_get_the_config_the_cli_resolved(tmp_path):
     from zerolens.run.flags import config_from_args
     parser = ArgumentParser(prog="zerolens")
     bench.add_parser(parser.add_subparsers(dest="command"))
-    argv = ["bench", "--preset", "gpt-tiny", "--strategies", "ddp,fsdp2", "--nproc", "3", "--device", "cpu",
+    argv = ["bench", "--preset", "gpt-tiny", "--strategies", "ddp,zero2", "--nproc", "3", "--device", "cpu",
             "--precision", "fp32", "--width", "32", "--depth", "3", "--heads", "2", "--seq-len", "16",
             "--activation-checkpointing", "--lr", "0.01", "--seed", "5", "--micro-batch", "2",
             "--reduce-bucket-size", "1e6", "--gradient-clipping", "0.5", "--fused-adam",
