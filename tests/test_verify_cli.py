@@ -196,3 +196,22 @@ def test_one_gpu_says_why_verify_runs_on_cpu_processes_and_how_to_use_the_gpu():
     assert resolved([], 0).device_note == resolved([], 2).device_note == resolved(["--device", "cpu"], 1).device_note == ""
     single = resolved(["--nproc", "1", "--device", "cuda"], 1)
     assert (single.device, single.nproc, single.device_note) == ("cuda", 1, "")
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--strategies", "zero0,zero2"], "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case "
+                                      "study's fp16"),
+    (["--strategies", "ddp,fsdp2"], "CPU run: bf16 is used, where a GPU run of the case study trains in fp16"),
+    (["--preset", "gpt-tiny"], None),  # a preset trained in bf16 on GPUs too: nothing changed, nothing said
+    (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:tiny_batch"], None),
+])
+def test_the_cpu_precision_note_is_said_where_a_gpu_run_would_differ_and_for_its_reason(flags, said):
+    import argparse
+
+    from zerolens.commands import verify
+    from zerolens.run.flags import config_from_args
+    parser = argparse.ArgumentParser()
+    verify.add_parser(parser.add_subparsers())
+    config = config_from_args(parser.parse_args(["verify", "--device", "cpu", *flags]), gpus_visible=0, checked=True)
+    assert config.precision == "bf16"
+    assert config.precision_note == (said or "")

@@ -220,4 +220,5 @@ def bench_terminal_lines(summary: dict, out) -> list:
             f"median of {summary['timed_steps']} timed steps, the slowest rank's.",
             terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", "peak (GiB)",
                             f"vs {REFERENCE}"], rows, right={1, 2, 3, 4, 5, 6}),
-            f"Report: {out / 'bench.md'} ({notes} notes there); bench.json and bench.png beside it."]
+            f"Report: {out / 'bench.md'} ({notes} note{'' if notes == 1 else 's'} there); bench.json and bench.png "
+            "beside it."]

@@ -251,7 +251,8 @@ def terminal_lines(summary: dict, out: Path) -> list:
              f"against {summary['baseline']})", table]
     lines += [f"- {note}" for note in summary.get("headline_notes", [])]
     lines.append(f"{len(checks) - len(failed)} of {len(checks)} checks passed"
-                 + (f"; {len(summary['notes'])} notes in report.md" if summary["notes"] else "") + ".")
+                 + (f"; {len(summary['notes'])} note{'s' if len(summary['notes']) > 1 else ''} in report.md"
+                    if summary["notes"] else "") + ".")
     lines += [failed_line(f"{c['name']}: {c['detail']} (tolerance: {c['tolerance']})") for c in failed]
     lines += [f"Not checked: {c['name']}: {c['why']}." for c in summary.get("not_checked", [])]
     lines.append(verdict_line(summary["verdict"]))

@@ -40,7 +40,7 @@ class RunConfig:
     device: str = "cpu"
     device_note: str = ""  # why zerolens chose the CPU where a GPU is visible, if it did
     precision: str = "bf16"
-    precision_note: str = ""  # why the precision differs from the case study's fp16, if it does
+    precision_note: str = ""  # why the precision differs from a GPU run's of the model, if it does
     steps: int = 100
     seed: int = 0
     micro_batch: int = 8

@@ -201,11 +201,14 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""
     if precision is None:
-        # A user's model: bf16 on GPU, which needs no loss scaling.
-        precision = (PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16") if device == "cuda"
-                     else "bf16")
-        if device == "cpu":
-            note = "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case study's fp16"
+        # A user's model: bf16 on GPU, which needs no loss scaling. On CPU bf16 (DeepSpeed has no fp16 there).
+        gpu_precision = PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16")
+        precision = gpu_precision if device == "cuda" else "bf16"
+        if precision != gpu_precision:  # said only where a GPU run would differ
+            model = "the case study" if args.preset == "case-study" else args.preset
+            note = (f"CPU run: DeepSpeed has no {gpu_precision} on CPU, so bf16 is used instead of {model}'s "
+                    f"{gpu_precision}" if registry.needing_deepspeed(strategies) else
+                    f"CPU run: bf16 is used, where a GPU run of {model} trains in {gpu_precision}")
     job = getattr(args, "job", "verify")
     # verify has no warm-up; bench's default is 3 untimed steps.
     warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
