@@ -62,6 +62,12 @@ def test_bench_rejects_bad_flags(cli):
     assert result.returncode == 2 and "--ds-override is not valid JSON" in result.stderr
     result = cli("maxsize", "--device", "cpu")
     assert result.returncode == 2 and "maxsize needs GPUs" in result.stderr
+    assert "zerolens plan predicts it" in result.stderr  # not --device cuda, which says use the CPU without GPUs
+
+
+def test_an_unknown_flag_points_to_its_commands_help():
+    result = zerolens("verify", "--nosuchflag")
+    assert result.returncode == 2 and "(see zerolens verify --help)" in result.stderr, result.stderr
 
 
 def test_lm_task_follows_its_successor_rule():

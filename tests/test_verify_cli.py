@@ -215,3 +215,18 @@ def test_the_cpu_precision_note_is_said_where_a_gpu_run_would_differ_and_for_its
     config = config_from_args(parser.parse_args(["verify", "--device", "cpu", *flags]), gpus_visible=0, checked=True)
     assert config.precision == "bf16"
     assert config.precision_note == (said or "")
+
+
+def test_more_cpu_processes_than_cores_are_said(monkeypatch):
+    """verify --nproc 6 on 2 cores runs, slowly: the header says why, before the wait."""
+    import argparse
+
+    from zerolens.commands import verify
+    from zerolens.run.flags import config_from_args
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    parser = argparse.ArgumentParser()
+    verify.add_parser(parser.add_subparsers())
+    for nproc, said in ((2, ""), (6, "6 CPU processes on 2 cores: they take turns")):
+        config = config_from_args(parser.parse_args(["verify", "--device", "cpu", "--nproc", str(nproc)]),
+                                  gpus_visible=0, checked=True)
+        assert config.device_note.startswith(said) and bool(config.device_note) == bool(said)

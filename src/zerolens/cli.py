@@ -15,8 +15,10 @@ VERBS = (verify, bench, maxsize, sweep, estimate, plan)  # in the order --help l
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    verb = None  # the command line's verb, where it has one: its help is the one to see
+
     def error(self, message):  # argparse's own usage dump is long; one line, exit 2
-        self.exit(2, f"zerolens: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"zerolens: {message} (see {self.prog}{f' {self.verb}' if self.verb else ''} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for verb in VERBS:
         verb.add_parser(subparsers)
+    # Unknown flags are found by this parser, after the verb's has taken what it knows.
+    parser.verb = next((word for word in argv if word in subparsers.choices), None)
     args = parser.parse_args(argv)
     try:
         return args.func(args, argv)

@@ -200,5 +200,5 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("maxsize searches the depth of a preset; --model is for verify, bench and sweep")
     config = config_from_args(args)
     if config.device != "cuda":
-        raise UserError("maxsize needs GPUs: on the CPU nothing runs out of memory (use --device cuda)")
+        raise UserError("maxsize needs GPUs (on the CPU nothing runs out of memory); zerolens plan predicts it")
     return run_maxsize(config, run_folder(config, args.overwrite), command=shlex.join(["zerolens", *argv]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
@@ -197,6 +198,10 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         device_note = ("1 GPU visible: running on CPU processes (gloo), because without --device zerolens takes "
                        "GPUs only when there are 2 or more (ZeRO shards over at least 2 ranks, and NCCL needs a GPU "
                        "for each); for a single-rank measurement on the GPU, add --nproc 1 --device cuda")
+    elif device == "cpu" and world_size is None and nproc > (os.cpu_count() or nproc):
+        # Not an error: the figures are the same, only slower; but a user waiting should know why.
+        device_note = (f"{nproc} CPU processes on {os.cpu_count()} cores: they take turns, so steps are slower than "
+                       "on as many cores; the memory figures are the same")
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""
