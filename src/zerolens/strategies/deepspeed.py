@@ -482,8 +482,8 @@ class DeepSpeedStepModel(Strategy):
     def release_not_modelled(cls, settings: TrainSettings, *, stage: int) -> str | None:
         """Stage 0 in bf16 under DeepSpeed 0.16 goes through its BF16_Optimizer (layout.DeepSpeedLayout),
         whose step this model, of 0.17 to 0.19's FP16_UnfusedOptimizer, does not follow: under 0.16.9 on
-        CPU the step's predicted peak was 22% above the measured one. Measured as modelled: 0.16.9 (ZeRO-1/2),
-        0.17.6, 0.18.9 and 0.19.8, every stage (docs/results/deepspeed-compat/issue22/)."""
+        CPU the step's predicted peak was 22% above the measured one. Measured as modelled on the CPU: 0.16.9
+        (ZeRO-1, 2 and 3), 0.17.6 and 0.18.9 (every stage; docs/results/deepspeed-compat/issue22/), and 0.19.8."""
         from zerolens.compat import installed_version
         from zerolens.strategies.layout import deepspeed_layout
         version = installed_version("deepspeed")
