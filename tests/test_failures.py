@@ -9,6 +9,11 @@ import pytest
 from conftest import zerolens
 
 
+def said(result) -> str:
+    """What a run said on stderr, its words as one line: the terminal wraps at 100 columns."""
+    return " ".join(result.stderr.split())
+
+
 @pytest.mark.slow
 def test_a_crash_on_one_rank_ends_the_run_and_says_where(tmp_path):
     out = tmp_path / "crash"
@@ -17,8 +22,9 @@ def test_a_crash_on_one_rank_ends_the_run_and_says_where(tmp_path):
                       env={"ZEROLENS_FAULT": "rank=1,step=2,phase=backward,kind=crash"})
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "rank 1 failed during backward of zero0 at step 2: RuntimeError: injected crash" in result.stderr
+    assert "rank 1 failed during backward of zero0 at step 2: RuntimeError: injected crash" in said(result)
     assert "Traceback" not in result.stderr
+    assert max(len(line) for line in result.stderr.splitlines()) <= 100, result.stderr  # a line per rank, wrapped
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "FAIL" and "rank 1" in summary["failure"]
     assert "injected crash" in (out / "logs" / "rank1.log").read_text()
@@ -32,7 +38,7 @@ def test_out_of_memory_is_reported_with_a_suggestion(tmp_path):
                       env={"ZEROLENS_FAULT": "rank=0,step=1,phase=step,kind=oom"})
     assert result.returncode == 1
     assert ("rank 0 ran out of GPU memory during step of zero0 at step 1 (tried to allocate 2.00 GiB): "
-            "try a smaller --micro-batch") in result.stderr
+            "try a smaller --micro-batch") in said(result)
 
 
 def test_a_malformed_fault_is_a_user_error(cli, tmp_path):
@@ -68,8 +74,8 @@ def test_a_hang_on_one_rank_is_ended_by_the_timeout_and_named(tmp_path):
     result = zerolens("verify", "--steps", "6", "--timeout", "10", "--out", str(out), timeout=240,
                       env={"ZEROLENS_FAULT": "rank=1,step=2,phase=backward,kind=hang"})
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "rank 1 during backward of zero0 at step 2 stopped answering" in result.stderr, result.stderr
-    assert "rank 0 during" in result.stderr and "was waiting for it" in result.stderr
+    assert "rank 1 during backward of zero0 at step 2 stopped answering" in said(result), result.stderr
+    assert "rank 0 during" in said(result) and "was waiting for it" in said(result)
     assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
     assert "faults.py" in (out / "logs" / "stack_rank1.txt").read_text()
     assert time.monotonic() - start < 120
@@ -80,7 +86,7 @@ def test_a_failed_bench_is_marked_too(tmp_path):
     out = tmp_path / "bench"
     result = zerolens("bench", "--preset", "gpt-tiny", "--warmup", "1", "--steps", "2", "--out", str(out), timeout=240,
                       env={"ZEROLENS_FAULT": "rank=0,step=1,phase=forward,kind=crash"})
-    assert result.returncode == 1 and "rank 0 failed during forward of ddp at step 1" in result.stderr
+    assert result.returncode == 1 and "rank 0 failed during forward of ddp at step 1" in said(result)
     assert json.loads((out / "summary.json").read_text())["verdict"] == "FAIL"
     assert not (out / "bench.json").exists()
 
@@ -94,7 +100,7 @@ def test_a_hang_before_the_process_group_exists_is_ended_too(tmp_path):
     result = zerolens("verify", "--steps", "6", "--timeout", "10", "--out", str(out), timeout=240,
                       env={"ZEROLENS_FAULT": "rank=1,phase=init,kind=hang"})
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "rank 1 during init stopped answering; rank 0 during init was waiting for it" in result.stderr, \
+    assert "rank 1 during init stopped answering; rank 0 during init was waiting for it" in said(result), \
         result.stderr
     assert time.monotonic() - start < 120
 

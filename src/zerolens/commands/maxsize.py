@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -27,7 +26,7 @@ from zerolens.run.flags import (
     config_from_args,
 )
 from zerolens.run.folder import new_run_folder
-from zerolens.run.jobs import run_folder
+from zerolens.run.jobs import run_folder, say_failure
 from zerolens.strategies import registry
 from zerolens.units import GiB
 
@@ -166,7 +165,7 @@ def run_maxsize(config, out: Path, command: str) -> int:
         try:
             results[name] = largest_fitting_depth(trial, lambda: limit["bytes"])
         except WorkersFailed as e:
-            print(f"zerolens: FAILED: {e}", file=sys.stderr)
+            say_failure(e)
             # What the strategies before it found is kept.
             files.write_json(out / "maxsize.json",
                               maxsize_summary(config, results, command) | {"failure": f"{name}: {e}"})

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
 
 from zerolens.predict.peak import predicted_peaks
 from zerolens.report import files
-from zerolens.report.tables import SCHEMA_VERSION
+from zerolens.report.tables import SCHEMA_VERSION, say
 from zerolens.run.config import RunConfig, save_config
 from zerolens.run.folder import default_run_folder, new_run_folder, results_path
 from zerolens.run.launch import WorkersFailed, launch_local
@@ -40,12 +39,16 @@ def run_folder(config: RunConfig, overwrite: bool) -> Path:
 def report_failure(out: Path, error: WorkersFailed, command: str) -> None:
     """A run that did not finish: one line on stderr, and summary.json marked FAIL with why, beside
     the ranks' logs."""
-    print(f"zerolens: FAILED: {error}", file=sys.stderr)
+    say_failure(error)
     if out.is_dir():
         files.write_json(out / "summary.json", {"schema_version": SCHEMA_VERSION, "verdict": "FAIL",
                                                  "failure": str(error), "command": command})
-        print(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}",
-              file=sys.stderr)
+        say(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}", stderr=True)
+
+
+def say_failure(error: WorkersFailed) -> None:
+    """The failure on stderr within the terminal's width: a line per rank, in the order they failed."""
+    say("zerolens: FAILED:", *(f"  {line}" for line in error.lines), stderr=True)
 
 
 def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:

@@ -31,7 +31,11 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
 class WorkersFailed(RuntimeError):
-    pass
+    """What failed, as one message; `lines`: the same, a line per rank in the order they failed."""
+
+    def __init__(self, message: str, lines: list[str] | None = None):
+        super().__init__(message)
+        self.lines = lines or [message]
 
 
 OUT_OF_MEMORY = "ran out of GPU memory"  # a rank's message (worker.py); what `zerolens maxsize` looks for
@@ -72,7 +76,7 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
         lines = failure_lines(e.failures, logs, since=launched)
         if len(lines) > 1:
             lines[1:] = ["then " + line for line in lines[1:]]
-        raise WorkersFailed("; ".join(lines)) from None
+        raise WorkersFailed("; ".join(lines), lines) from None
     finally:
         if watchdog:
             # Stopped and joined before this launch returns: it must never signal the next launch's workers.
