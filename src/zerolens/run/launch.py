@@ -49,8 +49,10 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
     hang watchdog. `preload`: modules, beside the entrypoint's, that forked CPU ranks find imported
     (used only where this process starts its fork server, at its first CPU launch)."""
     if not verbose:
-        # We print the failure ourselves, in one line: the launcher's own error lines would repeat it.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # We print the failure ourselves, a line per rank: the launcher's own error lines would repeat it,
+        # and torch's process spawner says it terminates the other ranks, which the failure says too.
+        for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     method = start_method(backend)
     if method == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(
