@@ -21,19 +21,30 @@ def test_verify_a_user_model(tmp_path):
     assert json.loads((out / "config.json").read_text())["preset"] == "zerolens_test_models:tiny_classifier"
 
 
+def verified(tmp_path, model: str, batch: str, strategies: str) -> dict:
+    """verify of a model of zerolens_test_models on 2 CPU ranks, which must PASS with every check
+    held: its summary."""
+    out = tmp_path / "run"
+    result = zerolens("verify", "--model", f"zerolens_test_models:{model}", "--batch", f"zerolens_test_models:{batch}",
+                      "--strategies", strategies, "--steps", "4", "--out", str(out), timeout=300, env=ENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "PASS" and all(c["passed"] for c in summary["checks"]), summary["checks"]
+    return summary
+
+
+def peaks_checked(summary: dict) -> int:
+    return sum(c["name"].startswith("peak as predicted") for c in summary["checks"])
+
+
 @pytest.mark.slow
 def test_verify_a_model_built_in_bf16(tmp_path):
     """A model whose weights are bf16 as built: DDP and FSDP2 train it in bf16 (weights, gradients,
     buckets and AdamW's moments), DeepSpeed casts it as ever; every retained and peak check holds."""
-    out = tmp_path / "run"
-    result = zerolens("verify", "--model", "zerolens_test_models:bf16_weights", "--batch", "zerolens_test_models:tiny_batch",
-                      "--strategies", "ddp,zero2,fsdp2", "--steps", "5", "--out", str(out), timeout=300, env=ENV)
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["verdict"] == "PASS" and all(c["passed"] for c in summary["checks"])
+    summary = verified(tmp_path, "bf16_weights", "tiny_batch", "ddp,zero2,fsdp2")
     ddp = summary["strategies"]["ddp"]["ranks"][0]
     assert ddp["param_bytes"] == ddp["grad_bytes_after_backward"] == 2 * 3236  # tiny_classifier's elements
-    assert sum(c["name"].startswith("peak as predicted") for c in summary["checks"]) == 6
+    assert peaks_checked(summary) == 2 * 3
 
 
 @pytest.mark.slow
@@ -43,14 +54,8 @@ def test_verify_a_model_with_frozen_parameters(tmp_path, model, trained):
     gradients and optimizer states only for what trains, ZeRO-1/2's partition over it alone, and
     every retained and peak check holds, for every strategy (torch's MemTracker would raise on a
     frozen weight in the CPU measurement and the trace)."""
-    out = tmp_path / "run"
-    result = zerolens("verify", "--model", f"zerolens_test_models:{model}", "--batch", "zerolens_test_models:tiny_batch",
-                      "--strategies", "ddp,zero0,zero2,zero3,fsdp2", "--steps", "5", "--out", str(out), timeout=300,
-                      env=ENV)
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["verdict"] == "PASS" and all(c["passed"] for c in summary["checks"])
-    assert sum(c["name"].startswith("peak as predicted") for c in summary["checks"]) == 2 * 5
+    summary = verified(tmp_path, model, "tiny_batch", "ddp,zero0,zero2,zero3,fsdp2")
+    assert peaks_checked(summary) == 2 * 5
     ddp = summary["strategies"]["ddp"]["ranks"][0]
     assert ddp["grad_bytes_after_backward"] == 4 * trained
     assert summary["strategies"]["zero2"]["ranks"][0]["grad_partition_elements"] == trained // 2
@@ -61,15 +66,7 @@ def test_verify_a_hugging_face_model_with_the_users_own_gradient_checkpointing(t
     """The tiny Llama with gradient_checkpointing_enable() called in the user's factory: recomputation
     is traced as it runs, and every rank's peak is as predicted."""
     pytest.importorskip("transformers")
-    out = tmp_path / "run"
-    result = zerolens("verify", "--model", "zerolens_test_models:llama_with_checkpointing", "--batch",
-                      "zerolens_test_models:llama_batch", "--strategies", "ddp,fsdp2", "--steps", "4", "--out", str(out),
-                      timeout=300, env=ENV)
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["verdict"] == "PASS"
-    predicted = [c for c in summary["checks"] if c["name"].startswith("peak as predicted")]
-    assert len(predicted) == 2 * 2 and all(c["passed"] for c in predicted)
+    assert peaks_checked(verified(tmp_path, "llama_with_checkpointing", "llama_batch", "ddp,fsdp2")) == 2 * 2
 
 
 @pytest.mark.slow
@@ -78,14 +75,8 @@ def test_verify_a_model_on_float_inputs(tmp_path):
     zero0 failed at its first forward ("mat1 and mat2 must have the same dtype") after DDP had
     trained. The DeepSpeed strategies now cast floating inputs to the engine's dtype, as DeepSpeed's
     users do, and say so; every check holds."""
-    out = tmp_path / "run"
-    result = zerolens("verify", "--model", "zerolens_test_models:float_mlp", "--batch", "zerolens_test_models:float_batch",
-                      "--strategies", "ddp,zero0,zero3", "--steps", "4", "--out", str(out), timeout=300, env=ENV)
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["verdict"] == "PASS" and all(c["passed"] for c in summary["checks"])
-    assert sum(c["name"].startswith("peak as predicted") for c in summary["checks"]) == 2 * 3
-    assert "zero0: the batch's floating inputs were cast to bf16" in (out / "report.md").read_text()
+    assert peaks_checked(verified(tmp_path, "float_mlp", "float_batch", "ddp,zero0,zero3")) == 2 * 3
+    assert "zero0: the batch's floating inputs were cast to bf16" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_a_model_the_user_compiled_is_not_predicted_at_the_peak(cli):
