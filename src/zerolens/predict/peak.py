@@ -253,17 +253,19 @@ def gloo_reduce_scatter_copies():
     The fake process group copies nothing, so the trace makes that copy around each blocking
     reduce_scatter_single (FSDP2's; NCCL, on CUDA, makes none). On the tiny Llama of examples/hf it
     was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
-    copies' sizes in bytes: gloo's own thread holds a copy too, and now and then frees it after the
-    next operation has allocated (checks.peak_prediction_check allows for one such buffer in the phase
-    that ran it; a step model whose collectives are modelled, not run, lists their buffers' sizes as
-    `collective_buffer_sizes`)."""
+    copies' sizes in bytes, and the outputs': gloo's own thread holds a copy too, and now and then
+    frees it after the next operation has allocated (checks.peak_prediction_check allows for one such
+    buffer in the phase that ran it; a step model whose collectives are modelled, not run, lists their
+    buffers' sizes as `collective_buffer_sizes`)."""
     import torch.distributed as dist
     original = dist.reduce_scatter_single
     sizes: list[int] = []
 
     def reduce_scatter_single(output, input, *args, **kwargs):
         copy = input.clone()
-        sizes.append(copy.nbytes)
+        # gloo's thread may free late its copy of the input or its piece of the rank's share (the
+        # output's size: the tiny Llama's FSDP2 backward on 2 ranks was once measured one such above).
+        sizes.extend((copy.nbytes, output.nbytes))
         try:
             return original(output, input, *args, **kwargs)
         finally:
