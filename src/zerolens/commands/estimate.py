@@ -17,9 +17,8 @@ from zerolens.models.model import (
     MIXED_WEIGHTS,
     PRESETS,
     load_user_function,
-    parameter_shapes,
-    trainable_flags,
-    weight_bytes,
+    meta_model,
+    weight_bytes_of,
 )
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
@@ -35,22 +34,14 @@ from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.layout import ELEMENT_BYTES, deepspeed_layout
 
 
-def param_shapes_from_factory(spec: str) -> list[tuple[int, ...]]:
-    """`module:factory` -> the shapes of the model's parameters, built on the meta device (no memory)."""
+def factory_meta_model(spec: str) -> nn.Module:
+    """`module:factory` -> its model, built on the meta device (no memory)."""
     factory = load_user_function(spec)
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
-    return [tuple(p.shape) for p in model.parameters()]  # parameters() yields a tied weight once
-
-
-def weights_of_factory(spec: str) -> tuple[int | None, list[bool]]:
-    """models.model.weight_bytes and trainable_flags for a `module:factory` without a batch function."""
-    with torch.device("meta"):
-        model = load_user_function(spec)()
-    sizes = {p.element_size() for p in model.parameters()}
-    return (sizes.pop() if len(sizes) == 1 else None), [p.requires_grad for p in model.parameters()]
+    return model
 
 
 def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, reduce_bucket_size: int,
@@ -265,15 +256,15 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.batch and not args.model:
         raise UserError("--batch goes with --model")
     model_config = estimate_model(args)
-    try:
-        shapes = (None if args.params is not None else
-                  [tuple(s) for s in parameter_shapes(model_config)] if model_config is not None else
-                  param_shapes_from_factory(args.model))
-        weights, trainable = ((4, None) if args.params is not None else
-                              (weight_bytes(model_config), trainable_flags(model_config)) if model_config is not None
-                              else weights_of_factory(args.model))
+    try:  # the model once, on the meta device: its shapes, its weights' dtype, what trains
+        model = (None if args.params is not None else
+                 meta_model(model_config) if model_config is not None else factory_meta_model(args.model))
     except ValueError as e:
         raise UserError(str(e)) from None
+    # parameters() yields a tied weight once
+    shapes = None if model is None else [tuple(p.shape) for p in model.parameters()]
+    weights = 4 if model is None else weight_bytes_of(model)
+    trainable = None if model is None else [p.requires_grad for p in model.parameters()]
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=args.model))
     if args.device == "cpu" and args.precision == "fp16":

@@ -223,7 +223,12 @@ MIXED_WEIGHTS = ("--model {model}: the model's parameters mix dtypes; zerolens p
 def weight_bytes(config: ModelConfig) -> int | None:
     """The bytes per element of the model's weights as built: 4 for fp32, 2 for a model built in
     bf16 or fp16 (which DDP and FSDP2 train as they are); None where its parameters mix dtypes."""
-    sizes = {p.element_size() for p in meta_model(config).parameters()}
+    return weight_bytes_of(meta_model(config))
+
+
+def weight_bytes_of(model: nn.Module) -> int | None:
+    """weight_bytes for a model already built (on the meta device)."""
+    sizes = {p.element_size() for p in model.parameters()}
     return sizes.pop() if len(sizes) == 1 else None
 
 

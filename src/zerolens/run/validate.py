@@ -65,7 +65,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
     # refused here, not after the others trained.
     shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
-    weights = weight_bytes(config.model)
+    weights, trainable = weight_bytes(config.model), trainable_flags(config.model)
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=config.model.factory))
     for name in config.strategies:
@@ -73,7 +73,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
             registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
                                       reduce_bucket_size=config.reduce_bucket_size, param_shapes=shapes,
                                       param_persistence_threshold=config.param_persistence_threshold,
-                                      weight_bytes=weights, trainable=trainable_flags(config.model))
+                                      weight_bytes=weights, trainable=trainable)
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
 
