@@ -13,7 +13,7 @@ from zerolens.report import files
 from zerolens.report.tables import SCHEMA_VERSION, say
 from zerolens.run.config import RunConfig, save_config
 from zerolens.run.folder import default_run_folder, new_run_folder, results_path
-from zerolens.run.launch import WorkersFailed, launch_local
+from zerolens.run.launch import WorkersFailed, launch_local, start_workers_server
 from zerolens.run.prediction import PREDICTED_PEAKS
 from zerolens.run.worker import launched_rank
 from zerolens.strategies import registry
@@ -57,6 +57,9 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     bench.json; raises WorkersFailed when a rank failed."""
     out = Path(config.out)
     save_config(config, out / "config.json", command)
+    preload = ("deepspeed",) if registry.needing_deepspeed(config.strategies) else ()
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    start_workers_server(launched_rank, backend, preload)  # its imports beside the prediction below
     if config.predict_peaks and config.device == "cpu":
         # A CPU run's peaks, predicted here before any worker starts: this process has no process group
         # and no GPU to keep free, so the trace needs no fresh process (the workers make one where the run
@@ -74,8 +77,7 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     remaining = len(config.strategies)
     while remaining:
         launch_local(config.nproc, launched_rank, worker_args, verbose=config.verbose, logs=out / "logs",
-                     timeout=config.timeout, backend="nccl" if config.device == "cuda" else "gloo",
-                     preload=("deepspeed",) if registry.needing_deepspeed(config.strategies) else ())
+                     timeout=config.timeout, backend=backend, preload=preload)
         left = sum(not results_path(out, name).exists() for name in config.strategies)
         if left >= remaining:  # a launch that ended cleanly must have finished at least one
             raise WorkersFailed(f"the workers ended without results for {left} strategies")

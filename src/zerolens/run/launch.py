@@ -53,15 +53,13 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
         # and torch's process spawner says it terminates the other ranks, which the failure says too.
         for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    method = start_method(backend)
-    if method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            [entrypoint.__module__, "torch._dynamo", *preload])  # torch._dynamo: every optimizer step imports it
+    method = start_workers_server(entrypoint, backend, preload)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         # As `torchrun --standalone`: a c10d store on a free local port, never a fixed 29500.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-        max_restarts=0, monitor_interval=0.5, start_method=method)
+        # monitor_interval: how soon the launcher sees the ranks end (torchrun's default is 0.1 s too)
+        max_restarts=0, monitor_interval=0.1, start_method=method)
     watchdog = HangWatchdog(logs, nproc, timeout, backend) if timeout and logs is not None else None
     if watchdog:
         watchdog.start()
@@ -84,6 +82,20 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
             # Stopped and joined before this launch returns: it must never signal the next launch's workers.
             watchdog.stop.set()
             watchdog.join()
+
+
+def start_workers_server(entrypoint: Callable[[list[str]], None], backend: str, preload: Sequence[str] = ()) -> str:
+    """How the ranks will start (start_method); where that is the fork server, it is started now with its
+    imports (the entrypoint's module, `preload`, torch._dynamo, which every optimizer step imports), so
+    that it can import them while this process does something else (a CPU run's peak prediction,
+    jobs.py). At most once per process: later calls find it running."""
+    method = start_method(backend)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            [entrypoint.__module__, "torch._dynamo", *preload])
+        forkserver.ensure_running()
+    return method
 
 
 def start_method(backend: str) -> str:
