@@ -8,7 +8,7 @@ import sys
 
 from zerolens._version import __version__
 from zerolens.commands import bench, estimate, maxsize, plan, sweep, verify
-from zerolens.errors import UserError
+from zerolens.errors import Interrupted, UserError, interrupts_raised
 from zerolens.strategies import registry
 
 VERBS = (verify, bench, maxsize, sweep, estimate, plan)  # in the order --help lists them
@@ -37,13 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.verb = next((word for word in argv if word in subparsers.choices), None)
     args = parser.parse_args(argv)
     try:
-        return args.func(args, argv)
+        with interrupts_raised():
+            return args.func(args, argv)
     except UserError as e:
         print(f"zerolens: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("zerolens: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Interrupted (SIGINT or SIGTERM), or a KeyboardInterrupt of Python's own
+        folder = getattr(e, "run_folder", None)
+        print("zerolens: interrupted" + (f"; {folder / 'summary.json'} says what finished" if folder else ""),
+              file=sys.stderr)
+        return e.exit_code if isinstance(e, Interrupted) else 130
     except BrokenPipeError:  # `zerolens estimate | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

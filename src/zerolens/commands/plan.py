@@ -15,12 +15,14 @@ runs about one more forward per step), then the bytes each rank sends per sample
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
 import os
 import re
 import shlex
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -161,7 +163,30 @@ def cost_key(row: dict) -> tuple:
 
 def pool(jobs: int) -> ProcessPoolExecutor:
     # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=leave_interrupts_to_the_command)
+
+
+def leave_interrupts_to_the_command() -> None:
+    """A pool worker ignores Ctrl-C, which a terminal sends to every process of the command's group: the
+    `zerolens` process takes it and ends the workers (end_pool), without a traceback from each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def end_pool(executor) -> None:
+    """The pool's workers killed, their traces unfinished: plan was interrupted (SIGINT or SIGTERM), and
+    a shutdown that waited would wait for every trace under way, minutes on a large model. Their
+    futures then fail, so that the depth searches' threads end too."""
+    if not isinstance(executor, ProcessPoolExecutor):
+        return
+    kill = getattr(executor, "kill_workers", None)  # Python 3.14
+    if kill is not None:
+        kill()
+    else:  # before 3.14 the executor keeps its processes in _processes, and has no public way to end them
+        for process in list((getattr(executor, "_processes", None) or {}).values()):
+            with contextlib.suppress(OSError):
+                process.kill()
+    executor.shutdown(wait=False, cancel_futures=True)
 
 
 def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_bucket_sizes: list[int],
@@ -172,7 +197,6 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     params = sum(s.numel() for s in parameter_shapes(config.model))
     grid = [(name, ckpt, bucket) for name in config.strategies for ckpt in checkpointing_options(config)
             for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
-    rows, too_large, not_predicted = [], [], {}
     with pool(jobs) if jobs > 1 else _InProcess() as executor, \
             ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else _InProcess() as searches:
         # Each strategy's depth search asks for one trial at a time; with a pool of processes its
@@ -181,35 +205,15 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
             return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
                                  predict=lambda c, cap: executor.submit(predicted_peak, c, cap).result(),
                                  progress=progress and (lambda line: progress(f"depth search, {line}")))
-        depths = ({name: searches.submit(search, name) for name in config.strategies}
-                  if depth_search else {})
-        alive = grid
-        for micro_batch in sorted(micro_batches):
-            if not alive:
-                break
-            if progress:
-                progress(f"micro-batch {micro_batch}: {len(alive)} configurations")
-            candidates = [Candidate(name, micro_batch, ckpt, bucket) for name, ckpt, bucket in alive]
-            futures = [executor.submit(predicted_peak, c.config(config), cuda_capability) for c in candidates]
-            still = []
-            for c, future in zip(candidates, futures):
-                peak = future.result()
-                if "why_not" in peak:
-                    not_predicted.setdefault(c.strategy, peak["why_not"])
-                    continue
-                sent = communication_bytes(c.strategy, params, config.nproc, config.precision)
-                row = {**dataclasses.asdict(c), **peak, "headroom_bytes": memory - peak["needs_bytes"],
-                       "barely": memory - peak["needs_bytes"] < PREDICTION_MARGIN * memory,
-                       "fits_with_expandable_segments": peak["needs_expandable_bytes"] <= memory,
-                       "sent_per_step_bytes": sent,
-                       "sent_per_sample_bytes": None if sent is None else sent / c.micro_batch}
-                if peak["needs_bytes"] <= memory:
-                    rows.append(row)
-                    still.append((c.strategy, c.checkpointing, c.reduce_bucket_size))
-                else:  # a larger micro-batch would need more still
-                    too_large.append(row)
-            alive = still
-        deepest = {name: future.result() for name, future in depths.items()}
+        try:
+            depths = ({name: searches.submit(search, name) for name in config.strategies}
+                      if depth_search else {})
+            rows, too_large, not_predicted = grid_rows(config, grid, micro_batches, memory, cuda_capability,
+                                                       executor, progress)
+            deepest = {name: future.result() for name, future in depths.items()}
+        except BaseException:  # an interrupt (SIGINT, SIGTERM) among them: no trace may outlive the command
+            end_pool(executor)
+            raise
     rows.sort(key=cost_key)
     from zerolens.predict.allocator import allocator_setting
     return {"model": config.preset, "params": params, "width": config.model.d_model, "world_size": config.nproc,
@@ -221,6 +225,42 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
             "not_predicted": not_predicted,
             "deepest": {"micro_batch": config.micro_batch, "checkpointing": config.model.activation_checkpointing,
                         "strategies": deepest} if depth_search else None}
+
+
+def grid_rows(config: RunConfig, grid: list[tuple], micro_batches: list[int], memory: int,
+              cuda_capability: tuple[int, int], executor, progress) -> tuple[list, list, dict]:
+    """The grid's candidates predicted, micro-batch by micro-batch from the smallest, each (strategy,
+    checkpointing, bucket) until its first that does not fit: the rows that fit, those that do not,
+    and why a strategy is not predicted."""
+    params = sum(s.numel() for s in parameter_shapes(config.model))
+    rows, too_large, not_predicted = [], [], {}
+    alive = grid
+    for micro_batch in sorted(micro_batches):
+        if not alive:
+            break
+        if progress:
+            progress(f"micro-batch {micro_batch}: {len(alive)} configurations")
+        candidates = [Candidate(name, micro_batch, ckpt, bucket) for name, ckpt, bucket in alive]
+        futures = [executor.submit(predicted_peak, c.config(config), cuda_capability) for c in candidates]
+        still = []
+        for c, future in zip(candidates, futures):
+            peak = future.result()
+            if "why_not" in peak:
+                not_predicted.setdefault(c.strategy, peak["why_not"])
+                continue
+            sent = communication_bytes(c.strategy, params, config.nproc, config.precision)
+            row = {**dataclasses.asdict(c), **peak, "headroom_bytes": memory - peak["needs_bytes"],
+                   "barely": memory - peak["needs_bytes"] < PREDICTION_MARGIN * memory,
+                   "fits_with_expandable_segments": peak["needs_expandable_bytes"] <= memory,
+                   "sent_per_step_bytes": sent,
+                   "sent_per_sample_bytes": None if sent is None else sent / c.micro_batch}
+            if peak["needs_bytes"] <= memory:
+                rows.append(row)
+                still.append((c.strategy, c.checkpointing, c.reduce_bucket_size))
+            else:  # a larger micro-batch would need more still
+                too_large.append(row)
+        alive = still
+    return rows, too_large, not_predicted
 
 
 class _InProcess:

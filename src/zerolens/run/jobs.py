@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import traceback
 from dataclasses import replace
 from pathlib import Path
 
+from zerolens.errors import Interrupted
 from zerolens.predict.peak import predicted_peaks
 from zerolens.report import files
 from zerolens.report.tables import SCHEMA_VERSION, say
@@ -30,6 +32,9 @@ def run_in_new_folder(config: RunConfig, command: str, overwrite: bool = False, 
     except WorkersFailed as e:
         report_failure(out, e, command)
         return None
+    except Interrupted as e:
+        record_interruption(out, config, e, command)
+        raise
 
 
 def run_folder(config: RunConfig, overwrite: bool) -> Path:
@@ -44,6 +49,19 @@ def report_failure(out: Path, error: WorkersFailed, command: str) -> None:
         files.write_json(out / "summary.json", {"schema_version": SCHEMA_VERSION, "verdict": "FAIL",
                                                  "failure": str(error), "command": command})
         say(f"zerolens: summary marked FAIL in {out / 'summary.json'}; per-rank logs in {out / 'logs'}", stderr=True)
+
+
+def record_interruption(out: Path, config: RunConfig, interrupted: Interrupted, command: str) -> None:
+    """A run ended by SIGINT or SIGTERM before its report: summary.json says so, and which strategies
+    had finished (their results are in results/). A run whose report was written keeps it."""
+    if not out.is_dir() or (out / "summary.json").exists():
+        return
+    finished = [name for name in config.strategies if results_path(out, name).exists()]
+    files.write_json(out / "summary.json", {
+        "schema_version": SCHEMA_VERSION, "verdict": "INTERRUPTED", "interrupted_by": signal.Signals(interrupted.signum).name,
+        "finished": finished, "not_finished": [name for name in config.strategies if name not in finished],
+        "command": command})
+    interrupted.run_folder = out
 
 
 def say_failure(error: WorkersFailed) -> None:

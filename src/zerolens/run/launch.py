@@ -59,13 +59,15 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
         # As `torchrun --standalone`: a c10d store on a free local port, never a fixed 29500.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",
         # monitor_interval: how soon the launcher sees the ranks end (torchrun's default is 0.1 s too)
-        max_restarts=0, monitor_interval=0.1, start_method=method)
+        max_restarts=0, monitor_interval=0.1, start_method=method,
+        signals_to_handle="SIGHUP,SIGQUIT")  # SIGINT and SIGTERM are ours: ranks_ended_on_interrupt
     watchdog = HangWatchdog(logs, nproc, timeout, backend) if timeout and logs is not None else None
     if watchdog:
         watchdog.start()
     launched = time.time()
     try:
-        elastic_launch(config, entrypoint=entrypoint)(list(worker_args))
+        with ranks_ended_on_interrupt():
+            elastic_launch(config, entrypoint=entrypoint)(list(worker_args))
     except ChildFailedError as e:
         if watchdog:
             if not watchdog.firing.is_set():
@@ -82,6 +84,19 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
             # Stopped and joined before this launch returns: it must never signal the next launch's workers.
             watchdog.stop.set()
             watchdog.join()
+
+
+@contextlib.contextmanager
+def ranks_ended_on_interrupt():
+    """SIGINT or SIGTERM during a launch: every rank and what it started (its process group) killed at
+    once, then Interrupted raised (errors.interrupts_raised). torch's launcher, which would otherwise
+    take these signals (LaunchConfig.signals_to_handle), passes them to the ranks, which print their
+    tracebacks, waits up to 30 s for them, and leaves what a rank started (a GPU run's prediction
+    process) running; a rank blocked in a collective runs no Python handler, and only a kill ends it
+    promptly."""
+    from zerolens.errors import interrupts_raised
+    with interrupts_raised(on_signal=lambda signum: signal_ranks(signal.SIGKILL)):
+        yield
 
 
 def start_workers_server(entrypoint: Callable[[list[str]], None], backend: str, preload: Sequence[str] = ()) -> str:
