@@ -89,7 +89,7 @@ def heartbeat(out: Path) -> str:
 @pytest.mark.parametrize("sig, code, after_first", [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False)])
 def test_an_interrupted_verify_ends_every_rank_and_says_what_finished(tmp_path, sig, code, after_first):
     out, stderr = tmp_path / "run", tmp_path / "stderr.txt"
-    process = start("verify", "--strategies", "ddp,zero2", "--steps", "150" if after_first else "2000",
+    process = start("verify", "--strategies", "ddp,zero2", "--steps", "60" if after_first else "2000",
                     "--out", str(out), out=stderr)
     if after_first:  # ddp finished, zero2 training
         wait_for(lambda: (out / "results" / "ddp.json").exists() and "of zero2 at step" in heartbeat(out),
@@ -113,7 +113,7 @@ def test_an_interrupted_verify_ends_every_rank_and_says_what_finished(tmp_path, 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_plan_ends_its_tracing_processes(tmp_path, sig, code):
     stderr = tmp_path / "stderr.txt"
-    process = start("plan", "--gpu-memory", "24GiB", "--preset", "gpt-100m", "--nproc", "4", "--jobs", "2",
+    process = start("plan", "--gpu-memory", "24GiB", "--preset", "gpt-tiny", "--nproc", "2", "--jobs", "2",
                     out=stderr)
     wait_for(lambda: "depth search" in stderr.read_text(), "depth search", process)
     returncode, started, took = interrupt(process, sig)
