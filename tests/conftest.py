@@ -67,7 +67,10 @@ def cli(capsys, monkeypatch):
         if cwd is not None:
             monkeypatch.chdir(cwd)
         capsys.readouterr()
-        code = main(list(args))
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's --help and its errors end the process
+            code = e.code
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["zerolens", *args], code, out, err)
     return call

@@ -149,3 +149,13 @@ def test_user_errors_are_one_line(cli, flags, message, tmp_path):
     result = cli("plan", "--preset", "gpt-tiny", *flags, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_plan_offers_no_flag_of_a_training_run_alone(cli):
+    from zerolens.run.flags import TRAINING_ONLY
+    text = cli("plan", "--help").stdout
+    for name in TRAINING_ONLY:
+        assert f"--{name}" not in text, name
+    assert "--micro-batches" in text and "--check" in text
+    refused = cli("plan", "--gpu-memory", "80GiB", "--steps", "3")
+    assert refused.returncode == 2 and "unrecognized arguments: --steps 3" in refused.stderr

@@ -122,10 +122,14 @@ def unpadded_components(spec: registry.StrategySpec, psi: float, world_size: int
             "comm_buffer_bytes_after_backward": buffers, "retained_total_bytes": params + states + buffers}
 
 
-def paper_gb(n: float) -> str:
-    """The ZeRO paper's unit: GB, 10^9 bytes."""
-    gb = n / 1e9
-    return f"{gb:,.1f}" if gb >= 10 else f"{gb:.3f}"
+def paper_unit(entries: dict) -> tuple[float, str, str]:
+    """The ZeRO paper's model states in its kind of unit (it quotes GB, 10^9 bytes): a decimal unit for
+    the table (MB, GB, TB, PB, ...), its label, and what it is in words."""
+    from zerolens.report.tables import unit_for
+    from zerolens.units import DECIMAL_UNITS
+    unit, label = unit_for([e["paper_model_states_bytes"] for e in entries.values()], DECIMAL_UNITS)
+    power = len(str(int(unit))) - 1
+    return unit, label, f"{label} (10^{power} bytes; the paper quotes GB)" if label != "GB" else "GB (10^9 bytes), the paper's unit"
 
 
 def render_estimate(result: dict) -> list:
@@ -134,21 +138,22 @@ def render_estimate(result: dict) -> list:
     n, psi = result["world_size"], result["params"]
     lines = [f"zerolens estimate: {psi:,.0f} parameters, {n} ranks, {result['precision']}"]
     entries = result["strategies"]
+    paper, paper_label, paper_words = paper_unit(entries)
     if next(iter(entries.values()))["ranks"] is None:
         keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
                 "retained_total_bytes")
         unit, label = unit_for([e["components"][k] for e in entries.values() for k in keys]
                                + [e["paper_model_states_bytes"] for e in entries.values()])
         rows = [[name, *(in_unit(e["components"][k], unit, 2) for k in keys),
-                 in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
+                 in_unit(e["paper_model_states_bytes"], unit, 2), in_unit(e["paper_model_states_bytes"], paper, 2),
                  in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e in entries.items()]
         return lines + [
             f"Per rank, {label} (1024-based), from the parameter count alone: each strategy's layout without the "
             "padding and partition-boundary terms, which need the parameters' sizes (--preset or --model). "
-            "The ZeRO paper's model states (16-bit, K = 12) also in GB (10^9 bytes), the paper's unit. "
+            f"The ZeRO paper's model states (16-bit, K = 12) also in {paper_words}. "
             "Activations are not included.",
             terminal_table(["strategy", "params", "grads", "optimizer", "buffers", "kept total", "paper",
-                            "paper GB", "DeepSpeed"], rows, right=set(range(1, 9)))]
+                            f"paper {paper_label}", "DeepSpeed"], rows, right=set(range(1, 9)))]
     shown = []
     for name, e in entries.items():
         ranks = e["ranks"]
@@ -156,13 +161,13 @@ def render_estimate(result: dict) -> list:
         shown += [(name, e, r) for r in [ranks[0]] + ([largest] if largest is not ranks[0] else [])]
     keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
             "transient_reduce_bucket_bytes", "retained_total_bytes")
-    unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [r.get("peak_bytes") for _, _, r in shown]
-                           + [e["paper_model_states_bytes"] for e in entries.values()])
     cuda = result["device"] == "cuda"
     setting, unmodelled = allocator_setting()
+    unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [r.get("peak_bytes") for _, _, r in shown]
+                           + [e["paper_model_states_bytes"] for e in entries.values()])
     rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(r.get("peak_bytes"), unit, 2),
              *([in_unit(needs(r, setting), unit, 2)] if cuda else []),
-             in_unit(e["paper_model_states_bytes"], unit, 2), paper_gb(e["paper_model_states_bytes"]),
+             in_unit(e["paper_model_states_bytes"], unit, 2), in_unit(e["paper_model_states_bytes"], paper, 2),
              in_unit(e["deepspeed_estimator_bytes"], unit, 2)] for name, e, r in shown]
     where = ("on the CPU" if not cuda else
              f"on CUDA (compute capability {result['cuda_capability']}'s cuBLAS workspaces included)"
@@ -176,10 +181,10 @@ def render_estimate(result: dict) -> list:
         "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
         "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest allocated in a "
         f"training step, activations and temporaries included, for {result['micro_batch']} samples per rank "
-        f"{where}{needs_text}. The ZeRO paper's model states also in GB (10^9 bytes), its unit (--json: every rank "
+        f"{where}{needs_text}. The ZeRO paper's model states also in {paper_words} (--json: every rank "
         "and figure).",
         terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak",
-                        *(["needs"] if cuda else []), "paper", "paper GB", "DS est."], rows,
+                        *(["needs"] if cuda else []), "paper", f"paper {paper_label}", "DS est."], rows,
                        right=set(range(1, 13 if cuda else 12))),
         *(f"No peak for {line}." for line in not_predicted)]
 

@@ -28,7 +28,7 @@ from zerolens.run.flags import (
 from zerolens.run.folder import new_run_folder
 from zerolens.run.jobs import run_folder, say_failure
 from zerolens.strategies import registry
-from zerolens.units import GiB
+from zerolens.units import GiB, count
 
 FIRST_GUESS_CAP = 128
 VS = f"params_vs_{registry.BENCH_REFERENCE}"  # maxsize.json's key: parameters against the reference's
@@ -109,12 +109,10 @@ def maxsize_summary(config, searches: dict[str, Search], command: str) -> dict:
             "strategies": strategies}
 
 
-def param_count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def render_maxsize(summary: dict) -> str:
-    rows = [[name, s["max_depth"], param_count(s["params"]),
+    rows = [[name, s["max_depth"], count(s["params"]),
              "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.1f}",
              "-" if s[VS] is None else f"{s[VS]:.2f}",
              ", ".join(f"{t['depth']}{'' if t['fits'] else ' (OOM)'}" for t in s["trials"])]
@@ -174,7 +172,7 @@ def run_maxsize(config, out: Path, command: str) -> int:
     files.write_json(out / "maxsize.json", summary)
     files.write_atomic(out / "maxsize.md", render_maxsize(summary))
     from zerolens.report.tables import say, terminal_table
-    rows = [[name, s["max_depth"], param_count(s["params"]), "-" if s["peak_bytes"] is None
+    rows = [[name, s["max_depth"], count(s["params"]), "-" if s["peak_bytes"] is None
              else f"{s['peak_bytes'] / GiB:.1f}", "-" if s[VS] is None else f"{s[VS]:.2f}"]
             for name, s in summary["strategies"].items()]
     say(terminal_table(["strategy", "max depth", "parameters", "peak (GiB)", f"params vs {registry.BENCH_REFERENCE}"],

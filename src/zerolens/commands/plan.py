@@ -42,7 +42,7 @@ from zerolens.run.flags import (
 from zerolens.run.jobs import run_folder
 from zerolens.run.validate import check_config
 from zerolens.strategies import registry
-from zerolens.units import GiB, MiB
+from zerolens.units import GiB, MiB, count
 
 # A configuration whose predicted need leaves less than this share of the memory fits only if the
 # prediction errs by less. The allocator model replays recorded allocator histories exactly, but the
@@ -284,8 +284,6 @@ def default_jobs() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def param_count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def bucket_text(size: int | None) -> str:
@@ -300,7 +298,7 @@ def render_plan(result: dict, top: int) -> list:
     memory = result["gpu_memory_bytes"]
     unit, label = unit_for([memory])
     setting = result["allocator_setting"].replace("_", " ")
-    lines = [f"zerolens plan: {result['model']} ({param_count(result['params'])} parameters), {result['world_size']} "
+    lines = [f"zerolens plan: {result['model']} ({count(result['params'])} parameters), {result['world_size']} "
              f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU (CUDA, compute capability "
              f"{result['cuda_capability']}), the {setting} allocator"]
     fits = result["fits"]
@@ -347,7 +345,7 @@ def render_plan(result: dict, top: int) -> list:
         lines.append(f"Not predicted: {name}: {why}.")
     deepest = result["deepest"]
     if deepest:
-        rows = [[name, d["max_depth"], param_count(d["params"]), in_unit(d["needs_bytes"], unit, 2),
+        rows = [[name, d["max_depth"], count(d["params"]), in_unit(d["needs_bytes"], unit, 2),
                  in_unit(d["next_needs_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
         lines += [f"The deepest {result['model']} (width {result['width']}) each strategy can train, predicted, at "
                   f"micro-batch {deepest['micro_batch']}, ckpt {'on' if deepest['checkpointing'] else 'off'}:",
@@ -438,7 +436,7 @@ def add_parser(subparsers) -> None:
                                           "checkpointing and bucket size; list what fits --gpu-memory, cheapest "
                                           "first, and the deepest model of the preset's width each strategy can "
                                           "train there. No GPU is used, except by --check.")
-    add_verify_arguments(p)
+    add_verify_arguments(p, trains=False)  # --check's short benches take the training flags' defaults
     p.add_argument("--gpu-memory", required=True, metavar="SIZE",
                    help="each GPU's memory: 80GiB, 81920MiB, 80GB (10^9 bytes); a plain number is GiB. A "
                         "configuration fits when its predicted smallest allocator cap plus the memory the process "

@@ -17,7 +17,7 @@ from zerolens.report.checks import (
 from zerolens.report.tables import SCHEMA_VERSION
 from zerolens.strategies import registry
 from zerolens.strategies.layout import ELEMENT_BYTES, RETAINED_KEYS, deepspeed_layout
-from zerolens.units import MiB
+from zerolens.units import size
 
 
 def median_step_seconds(records: list[dict]) -> float | None:
@@ -189,12 +189,12 @@ def leftover_notes(config, strategies: dict, gathered: list[list[dict]]) -> list
             continue
         later = names[i + 1:]
         if any(r["earlier_strategies_left_bytes"] for s in later for r in strategies[s]["ranks"]):
-            notes.append(f"{name} left {left / MiB:.1f} MiB allocated after its teardown, and {', '.join(later)} ran "
+            notes.append(f"{name} left {size(left)} allocated after its teardown, and {', '.join(later)} ran "
                          "after it in the same processes (a launcher other than zerolens's): their peaks are not "
                          "reported as theirs (summary.json keeps them as peaks_including_earlier_strategies); run "
                          "one strategy per launch, or use zerolens verify, for clean peaks")
         else:
-            notes.append(f"{name} left {left / MiB:.1f} MiB allocated after its teardown; {', '.join(later)} ran in "
+            notes.append(f"{name} left {size(left)} allocated after its teardown; {', '.join(later)} ran in "
                          "fresh worker processes, so that none of their figures includes it")
     for i, name in enumerate(config.strategies):
         if gathered[0][i].get("leftover_sources"):
@@ -205,7 +205,7 @@ def leftover_notes(config, strategies: dict, gathered: list[list[dict]]) -> list
 
 def leftover_text(sources: dict[str, int]) -> str:
     """The three largest allocating sites of leftover memory, then what still refers to it."""
-    sized = [f"allocated by {src} {b / MiB:.1f} MiB" for src, b in sources.items() if b][:3]
+    sized = [f"allocated by {src} {size(b)}" for src, b in sources.items() if b][:3]
     return ", ".join(sized + [src for src, b in sources.items() if not b])
 
 
@@ -234,17 +234,17 @@ def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[st
         peak = strategies[name]["ranks"][0]["peak_bytes"]
         kept = lifetime[registry.spec(name).reduce_bucket]
         measured = ("" if peak is None or base is None else
-                    f" Measured on rank 0: peak {peak / MiB:.1f} MiB under {name} against "
-                    f"{base / MiB:.1f} MiB under {config.baseline}"
+                    f" Measured on rank 0: peak {size(peak)} under {name} against "
+                    f"{size(base)} under {config.baseline}"
                     + (", so sharding costs memory here." if peak > base else "."))
         headlines.append(
-            f"{name}: its {bucket / MiB:.1f} MiB reduce bucket ({kept}) "
-            f"outweighs all {grads / MiB:.1f} MiB of gradients"
-            + ("" if peak is None or base is None else f"; peak {peak / MiB:.1f} MiB against {base / MiB:.1f} MiB")
+            f"{name}: its {size(bucket)} reduce bucket ({kept}) "
+            f"outweighs all {size(grads)} of gradients"
+            + ("" if peak is None or base is None else f"; peak {size(peak)} against {size(base)}")
             + f". Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}.")
         notes.append(
-            f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {bucket / MiB:.1f} MiB "
-            f"buffer {kept}, while all of this model's gradients take {grads / MiB:.1f} MiB."
+            f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {size(bucket)} "
+            f"buffer {kept}, while all of this model's gradients take {size(grads)}."
             f"{measured} Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}: at most one "
             "rank's share of the gradients.")
     return notes, headlines
@@ -259,7 +259,7 @@ def persistent_parameter_notes(config, strategies: dict) -> list[str]:
     for name, s in strategies.items():
         held = max(r["param_bytes"] for r in s["ranks"])
         if registry.spec(name).keeps_small_params_whole and held > base:
-            notes.append(f"{name} holds {held / MiB:.3f} MiB of parameters per rank against {base / MiB:.3f} MiB "
+            notes.append(f"{name} holds {size(held)} of parameters per rank against {size(base)} "
                          f"under {config.baseline}: beside its 1/{config.nproc} shards, it keeps every parameter of "
                          f"at most {config.param_persistence_threshold:,} elements (DeepSpeed's param_persistence_threshold) "
                          "gathered whole on every rank after its first use, which on a small model is most of it")

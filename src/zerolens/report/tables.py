@@ -1,6 +1,6 @@
 """Units and tables, for files and for the terminal.
 
-Bytes everywhere inside; MiB and GiB (1024-based) in what people read, one unit per table. The
+Bytes everywhere inside; 1024-based units in what people read (units.py), one unit per table. The
 terminal gets rich's rendering, at most 100 columns wide, in colour only on a terminal (plain text
 in logs and pipes); report.md and the other Markdown files get Markdown tables.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from zerolens.units import GiB, MiB
+from zerolens.units import BINARY_UNITS, MiB, unit_of
 
 WIDTH = 100  # the terminal's width for everything zerolens prints
 # The version of the files people parse (summary.json, bench.json, sweep.json, maxsize.json; keys and
@@ -24,14 +24,20 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.3f}"
 
 
-def unit_for(values) -> tuple[float, str]:
-    """One unit for a whole table: GiB when its largest figure reaches 1 GiB, else MiB."""
-    largest = max((v for v in values if v is not None), default=0)
-    return (GiB, "GiB") if largest >= GiB else (MiB, "MiB")
+def unit_for(values, units=BINARY_UNITS) -> tuple[float, str]:
+    """One unit for a whole table: the largest (B, KiB, MiB, GiB, TiB, PiB) that its largest figure
+    reaches one of, so that no figure needs more than four digits before the point. `units`:
+    DECIMAL_UNITS for a column in a source's units (the ZeRO paper's GB)."""
+    label, unit = unit_of(max((abs(v) for v in values if v is not None), default=0), units)
+    return unit, label
 
 
 def in_unit(n: float | None, unit: float, digits: int = 3) -> str:
-    return "-" if n is None else f"{n / unit:,.{digits}f}"
+    """`n` in `unit`; thousands grouped from 10,000 on (a figure of its table's unit stays below 1024)."""
+    if n is None:
+        return "-"
+    value = n / unit
+    return f"{value:,.{digits}f}" if abs(value) >= 10_000 else f"{value:.{digits}f}"
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -63,9 +69,17 @@ def terminal_table(header: list[str], rows: list[list], *, right: set[int] | Non
     from rich import box
     from rich.table import Table
     from rich.text import Text
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    # Two spaces between columns (the box's own and a padding), one where two would take the table past
+    # WIDTH: no cell then wraps.
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    gap = 1 if sum(widths) + 2 * (len(widths) - 1) > WIDTH else 2
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, gap - 1, 0, 0),
+                  collapse_padding=True)
     for i, name in enumerate(header):
-        table.add_column(Text(name), justify="right" if right and i in right else "left", overflow="fold")
+        # The first column names the row (a strategy, a point): never split; figures are kept short by
+        # their table's unit (unit_for).
+        table.add_column(Text(name), justify="right" if right and i in right else "left", overflow="fold",
+                         no_wrap=i == 0, min_width=max((len(str(row[0])) for row in rows), default=0) if i == 0 else None)
     for row in rows:
         table.add_row(*(Text(str(c)) for c in row))
     return table

@@ -44,7 +44,13 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     return strategies
 
 
-def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+# The flags of a training run only, which a command that trains nothing takes from their defaults.
+TRAINING_ONLY = {"lr": None, "steps": 100, "seed": 0, "timeout": 900}
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True) -> None:
+    """verify's flags, which every command shares; `trains=False` (plan) leaves out those of a training
+    run alone (TRAINING_ONLY), so that its --help does not offer them."""
     parser.add_argument("--strategies", default=",".join(registry.VERIFY_DEFAULT),
                         help=f"comma-separated, from {','.join(registry.names())} (default: %(default)s)")
     parser.add_argument("--baseline", default=None,
@@ -72,10 +78,11 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPT presets: recompute each block in backward instead of keeping its activations")
     parser.add_argument("--compile", action="store_true",
                         help="GPT presets: torch.compile each block (faster steps after a compile of about a minute)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    if trains:
+        parser.add_argument("--lr", type=float, default=None,
+                            help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
+        parser.add_argument("--steps", type=int, default=100)
+        parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help="samples per step over all ranks; must be divisible by --nproc "
@@ -95,9 +102,12 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                              "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --out run folder if it exists")
-    parser.add_argument("--timeout", type=float, default=900,
-                        help="end the run when no rank makes progress for this many seconds (default 900; "
-                             "a rank that stopped answering is named)")
+    if trains:
+        parser.add_argument("--timeout", type=float, default=900,
+                            help="end the run when no rank makes progress for this many seconds (default 900; "
+                                 "a rank that stopped answering is named)")
+    else:
+        parser.set_defaults(**TRAINING_ONLY)
     parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own logging")
 
 

@@ -46,7 +46,7 @@ from zerolens.run.launch import OUT_OF_MEMORY
 from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
 from zerolens.run.train import Phase, train
 from zerolens.strategies import make_strategy, registry
-from zerolens.units import MiB
+from zerolens.units import size
 
 
 class RankFailure(RuntimeError):
@@ -254,7 +254,7 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
         linear_replaced = torch.nn.functional.linear is not linear
         if (left or linear_replaced) and stop_on_leftover and i + 1 < len(todo):
             if left and rank == 0 and not quiet:
-                say(f"zerolens: {name} left {left / MiB:.1f} MiB allocated: the next strategies start in fresh "
+                say(f"zerolens: {name} left {size(left)} allocated: the next strategies start in fresh "
                     "processes")
             return False
     return True
