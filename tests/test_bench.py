@@ -16,8 +16,9 @@ from zerolens.units import GiB as GIB
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "run"
     # No --steps: bench's own default (10 timed steps) must reach the workers.
-    result = zerolens("bench", "--preset", "gpt-tiny", "--strategies", "ddp,zero2", "--warmup", "1",
-                      "--peak-tflops", "1", "--out", str(out), timeout=300)
+    # No --preset: on the CPU bench's default model is gpt-tiny (gpt-100m's steps take minutes there).
+    result = zerolens("bench", "--strategies", "ddp,zero2", "--warmup", "3", "--peak-tflops", "1", "--out", str(out),
+                      timeout=300)
     return result, out
 
 
@@ -26,7 +27,8 @@ def test_bench_writes_json_table_and_plot(bench_run):
     result, out = bench_run
     assert result.returncode == 0, result.stdout + result.stderr
     bench = json.loads((out / "bench.json").read_text())
-    assert bench["timed_steps"] == 10 and bench["warmup_steps"] == 1
+    assert "bench's model on the CPU: gpt-tiny (on GPUs gpt-100m)" in result.stdout + result.stderr
+    assert bench["preset"] == "gpt-tiny" and bench["timed_steps"] == 10 and bench["warmup_steps"] == 3
     assert bench["tokens_per_step"] == 8 * 2 * 64
     assert bench["peak_tflops"] == 1 and bench["peak_tflops_source"] == "--peak-tflops"
     for name in ("ddp", "zero2"):
@@ -34,9 +36,12 @@ def test_bench_writes_json_table_and_plot(bench_run):
         assert len(s["step_times_s"]) == 10 and s["step_time_s"] > 0
         assert s["tokens_per_s"] == pytest.approx(bench["tokens_per_step"] / s["step_time_s"])
         assert s["mfu"] == pytest.approx(s["tflops_per_gpu"] / 1)
-        assert s["peak_bytes"] is None  # no allocator on CPU: said, not made up
+        # The CPU's peak: the last warm-up step's, followed tensor by tensor, beside the last traced step's.
+        assert s["peak_bytes"] > 0 and abs(s["peak_prediction_error"]) < 0.01, s
+        assert [r["phase"] for r in s["phase_peaks"]] == ["forward", "backward", "step"] * 2
+        assert all(abs(r["error"]) < 0.01 for r in s["phase_peaks"]), s["phase_peaks"]
         assert set(s["vs_ddp"]) == {"step_time", "peak_bytes"}
-        assert len(s["losses"]) == 11
+        assert len(s["losses"]) == 13
     # TFLOP/s from the model's own FLOP count, recomputed here.
     config = PRESETS["gpt-tiny"]
     flops = training_flops_per_token(config, num_params(build_model(config, 0)))
@@ -53,6 +58,9 @@ def test_bench_writes_json_table_and_plot(bench_run):
     assert result.stdout.count("zerolens bench:") == 1 and result.stdout.count("Report:") == 1  # rank 0 alone
     lines = result.stdout.splitlines()
     assert len(lines) <= 30 and max(len(line) for line in lines) <= 100, result.stdout
+    table = next(line for line in lines if line.startswith("zero2 "))
+    assert f"{bench['strategies']['zero2']['peak_bytes'] / 2**20:.2f}" in table  # peak MiB, and predicted beside it
+    assert "predicted MiB" in result.stdout
 
 
 def test_bench_rejects_bad_flags(cli):
@@ -136,8 +144,8 @@ def test_bench_shows_each_ranks_phase_peaks_beside_the_prediction():
         return {"name": "ddp", "seconds": [0.1, 0.1, 0.1], "losses": [6.0, 5.0, 4.0], "settings": {}, "notes": [],
                 "peak_bytes": 2000 * scale, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0,
                 **{f"peak_during_{p}": v * scale for p, v in measured.items()}}
-    predicted = {"ddp": {"ranks": [{f"peak_during_{p}": v * 1.01 for p, v in measured.items()} | {"peak_bytes": 2020}
-                                   for _ in range(2)]}}
+    phases = {f"peak_during_{p}": v * 1.01 for p, v in measured.items()}
+    predicted = {"ddp": {"ranks": [phases | {"peak_bytes": 2020, "last_step": phases} for _ in range(2)]}}
     summary = bench_summary(config, [[rank_result(1)], [rank_result(2)]], 10_000, "NVIDIA H200", {}, predicted)
     rows = summary["strategies"]["ddp"]["phase_peaks"]
     assert len(rows) == 2 * 3 and rows[1] == {"rank": 0, "phase": "backward", "measured_bytes": 2000,

@@ -51,3 +51,13 @@ def test_estimate_of_a_quadrillion_parameters_on_1024_ranks_fits_the_terminal(cl
     assert "Per rank, PiB (1024-based)" in result.stdout and "paper PB" in result.stdout
     rows = [line.split() for line in lines if line.split() and line.split()[0] in ("ddp", "fsdp2-grad", "zero3")]
     assert [len(r) for r in rows] == [9, 9, 9], rows  # each strategy on one line, no figure split
+
+
+def test_progress_off_a_terminal_says_the_step_now_and_then(capsys, monkeypatch):
+    from zerolens.report import tables
+    monkeypatch.setattr(tables, "PROGRESS_LINE_EVERY_S", 0.0)
+    with tables.progress(3, "ddp") as bar:
+        for step in range(3):
+            bar.advance("ddp (timed)" if step else None)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["zerolens: ddp 1/3", "zerolens: ddp (timed) 2/3"]  # the last step is the strategy's done line

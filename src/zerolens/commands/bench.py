@@ -21,8 +21,7 @@ def add_parser(subparsers) -> None:
                                           "a warm-up and report throughput, MFU and peak memory, with ratios to DDP.")
     add_verify_arguments(p)
     add_bench_arguments(p)
-    p.set_defaults(func=command, job="bench", steps=10, strategies=",".join(registry.BENCH_DEFAULT),
-                   preset="gpt-100m")
+    p.set_defaults(func=command, job="bench", steps=10, strategies=",".join(registry.BENCH_DEFAULT), preset=None)
 
 
 def command(args: argparse.Namespace, argv: list[str]) -> int:

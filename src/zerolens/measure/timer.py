@@ -1,5 +1,5 @@
 """bench's probe: each step timed, and the allocator's peaks read without synchronising, so that the
-steps run as they would without zerolens."""
+steps run as they would without zerolens (on the CPU, a warm-up step's peaks, followed tensor by tensor)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +11,17 @@ import torch
 class StepTimer:
     """bench's probe for the training loop (train.train): each step timed between two synchronisations
     (the GPU's queue drained before and after), the allocator's peak after setup and over the steps.
-    It measures nothing else, so the steps run as they would without zerolens."""
+    It measures nothing else, so the steps run as they would without zerolens. The CPU has no
+    allocator to ask: there the last warm-up step, which is not timed, is followed by torch's
+    MemTracker (as verify's last step is) for its peak per phase."""
 
     def __init__(self, device: torch.device, warmup_steps: int):
         self.device, self.warmup_steps = device, warmup_steps
         self.cuda = device.type == "cuda"
         self.highest = 0  # CUDA: the allocator's peak since setup, over the per-phase resets
         self.highest_reserved = 0  # and its reserve's
+        self.tracker = None  # CPU, during the last warm-up step
+        self.tracked: dict[str, int] = {}  # CPU: that step's peak per phase
 
     def label(self, strategy, steps_done: int) -> str:
         return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
@@ -36,6 +40,12 @@ class StepTimer:
 
     @contextlib.contextmanager
     def step(self, strategy, record: dict, last: bool):
+        if not self.cuda and record["step"] == self.warmup_steps - 1:
+            start = time.perf_counter()
+            with self.tracked_step(strategy):
+                yield
+            record["seconds"] = time.perf_counter() - start  # a warm-up step's: no timing reads it
+            return
         synchronize(self.device)
         start = time.perf_counter()
         yield
@@ -43,12 +53,34 @@ class StepTimer:
         record["seconds"] = time.perf_counter() - start
 
     @contextlib.contextmanager
+    def tracked_step(self, strategy):
+        """The CPU's last warm-up step under torch's MemTracker, which follows every tensor the step
+        allocates (slow, hence never a timed step); what is held before it is tracked so that its frees
+        during the step are seen."""
+        from zerolens.measure.tracker import dtensor_shapes_untraced, memory_tracker_class
+        self.tracker = memory_tracker_class()()
+        held = strategy.holdings()
+        self.tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")
+                                      for t in getattr(held, c) if t is not None])
+        try:
+            with self.tracker, dtensor_shapes_untraced():
+                yield
+        finally:
+            self.tracker = None
+
+    @contextlib.contextmanager
     def phase(self, name: str, strategy, record: dict, last: bool, loss=None):
         """CUDA: the allocator's peak of the phase. Reading and resetting the peak are host-side
         figures of the caching allocator, with no synchronisation, so the timing is untouched; what
         was reached before the reset is kept in `highest`."""
         if not self.cuda:
+            if self.tracker is None:
+                yield
+                return
+            from zerolens.measure.tracker import reset_tracker_peak, tracker_total
+            reset_tracker_peak(self.tracker)
             yield
+            self.tracked[f"peak_during_{name}"] = tracker_total(self.tracker, "peak")
             return
         self.highest = max(self.highest, torch.cuda.max_memory_allocated())
         self.highest_reserved = max(self.highest_reserved, torch.cuda.max_memory_reserved())
@@ -62,8 +94,9 @@ class StepTimer:
     def finished(self, run) -> None:
         # The peak over every step, warm-up included (the optimizer's states appear in the first),
         # and each phase's highest over them.
-        if not self.cuda:
-            run.measured["peak_bytes"] = None
+        if not self.cuda:  # the last warm-up step's, where there was one
+            run.measured["peak_bytes"] = max(self.tracked.values(), default=None)
+            run.measured |= self.tracked
             return
         run.measured["peak_bytes"] = max(self.highest, torch.cuda.max_memory_allocated())
         # What the caching allocator reserved at its highest over the steps (setup's reserve is still held then).

@@ -49,9 +49,9 @@ def predicted_peak(config, prediction: dict | None, measured: int | None, measur
     if not prediction or "ranks" not in prediction:
         return {"predicted_peak_bytes": None,
                 "peak_not_predicted": (prediction or {}).get("why_not", "not predicted in this run")}
-    peak = max(r["peak_bytes"] for r in prediction["ranks"])
-    out = {"predicted_peak_bytes": peak,
-           "peak_prediction_error": peak / measured - 1 if config.device == "cuda" and measured else None}
+    compared = config.device == "cuda" or cpu_step_is_traced(config)
+    peak = max(max(predicted_phases(config, r).values()) for r in prediction["ranks"])
+    out = {"predicted_peak_bytes": peak, "peak_prediction_error": peak / measured - 1 if compared and measured else None}
     if config.device == "cuda" and all("reserved_peak_bytes" in r for r in prediction["ranks"]):
         setting, _ = allocator_setting(alloc_conf)
         reserved = max(r["reserved_peak_bytes"][setting] for r in prediction["ranks"])
@@ -60,17 +60,33 @@ def predicted_peak(config, prediction: dict | None, measured: int | None, measur
     return out
 
 
+def cpu_step_is_traced(config) -> bool:
+    """On the CPU bench measures its last warm-up step (measure/timer.py): from the third step on, the
+    steps allocate as the prediction's last traced one (predict/peak.py's STEPS), to compare with."""
+    from zerolens.predict.peak import STEPS
+    return config.device == "cpu" and config.warmup_steps >= STEPS
+
+
+def predicted_phases(config, rank: dict) -> dict[str, int]:
+    """A rank's predicted peak per phase as bench measures it: on CUDA over every step traced; on the
+    CPU, the last traced step's (the warm-up step measured is like it: cpu_step_is_traced)."""
+    source = rank["last_step"] if config.device == "cpu" else rank
+    return {f"peak_during_{phase}": source[f"peak_during_{phase}"] for phase in PHASES}
+
+
 def phase_peaks(config, per_rank: list[dict], prediction: dict | None, earlier: int) -> list[dict]:
-    """CUDA: each rank's peak of each phase over every step (warm-up included), beside the peak
-    predicted before training (over the steps traced) and its relative error; [] on CPU, where
-    bench reads no allocator, or where earlier strategies' memory is in the peaks."""
-    if config.device != "cuda" or earlier:
+    """Each rank's peak of each phase, beside the peak predicted before training and its relative
+    error: on CUDA over every step (warm-up included), on the CPU of the last warm-up step (where it
+    is like the last step traced: cpu_step_is_traced); [] otherwise, or where earlier strategies'
+    memory is in the peaks."""
+    if (config.device != "cuda" and not cpu_step_is_traced(config)) or earlier:
         return []
     rows = []
     for rank, measured in enumerate(per_rank):
         for phase in PHASES:
             got = measured.get(f"peak_during_{phase}")
-            want = prediction["ranks"][rank][f"peak_during_{phase}"] if prediction and "ranks" in prediction else None
+            want = (predicted_phases(config, prediction["ranks"][rank])[f"peak_during_{phase}"]
+                    if prediction and "ranks" in prediction else None)
             rows.append({"rank": rank, "phase": phase, "measured_bytes": got, "predicted_bytes": want,
                          "error": want / got - 1 if want is not None and got else None})
     return rows
@@ -159,7 +175,10 @@ def render_bench(summary: dict, command: str) -> str:
            if summary["peak_tflops"] else "No MFU: no peak FLOP/s is known for this device (give --peak-tflops).")
     peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
             if summary["device"] == "cuda" else
-            "Peak: not measured on CPU by bench (no allocator statistics); `zerolens verify` tracks CPU tensor peaks.")
+            "Peak: the last warm-up step's (not a timed one), every tensor followed by torch's MemTracker as "
+            "verify's CPU peaks are (the CPU has no allocator to ask); the largest rank." if summary["strategies"]
+            and any(s["peak_bytes"] is not None for s in summary["strategies"].values()) else
+            "Peak: measured on the CPU in the last warm-up step, and this run had none (--warmup 0).")
     reserved = [f"{name} {s['reserved_peak_bytes'] / GiB:.3f} GiB measured, {s['predicted_reserved_peak_bytes'] / GiB:.3f} "
                 f"predicted" + ("" if s["reserved_prediction_error"] is None else f" ({s['reserved_prediction_error']:+.2%})")
                 for name, s in summary["strategies"].items()
@@ -173,8 +192,10 @@ def render_bench(summary: dict, command: str) -> str:
                    "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.1f}",
                    "-" if r["error"] is None else f"{r['error']:+.2%}"]
                   for name, s in summary["strategies"].items() for r in s.get("phase_peaks", [])]
-    phases = ("\n## Peaks per phase, predicted before training and measured\n\nEach rank's allocator peak of each "
-              "phase over every step, warm-up included (MiB), and the prediction's error.\n\n"
+    measured_where = ("allocator peak of each phase over every step, warm-up included" if summary["device"] == "cuda"
+                      else "peak of each phase in the last warm-up step, beside the last traced step's")
+    phases = ("\n## Peaks per phase, predicted before training and measured\n\nEach rank's "
+              f"{measured_where} (MiB), and the prediction's error.\n\n"
               + markdown_table(["strategy", "rank", "phase", "predicted", "measured", "error"], phase_rows) + "\n"
               if phase_rows else "")
     notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
@@ -208,17 +229,24 @@ def _ratio(value: float | None) -> str:
 
 def bench_terminal_lines(summary: dict, out) -> list:
     """bench's result for the terminal: one table, the notes' count, where the files are."""
-    from zerolens.report.tables import terminal_table
+    from zerolens.report.tables import in_unit, terminal_table, unit_for
+    strategies = summary["strategies"]
+    unit, label = unit_for([s[k] for s in strategies.values() for k in ("peak_bytes", "predicted_peak_bytes")
+                            if s.get(k) is not None])
     rows = []
-    for name, s in summary["strategies"].items():
+    for name, s in strategies.items():
         vs = s[VS] or {}
+        error = s.get("peak_prediction_error")
         rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")), f"{s['tokens_per_s']:,.0f}",
-                     "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
-                     "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes"))])
-    notes = sum(len(s["notes"]) for s in summary["strategies"].values())
+                     "-" if s["mfu"] is None else f"{s['mfu']:.1%}", in_unit(s["peak_bytes"], unit, 2),
+                     _ratio(vs.get("peak_bytes")),
+                     in_unit(s.get("predicted_peak_bytes"), unit, 2) + ("" if error is None else f" ({error:+.1%})")])
+    notes = sum(len(s["notes"]) for s in strategies.values())
+    where = ("the last warm-up step's, followed tensor by tensor (the CPU has no allocator to ask)"
+             if summary["device"] == "cpu" else "the allocator's over every step")
     return ["", f"{summary['preset']}, {summary['world_size']} x {summary['device_name']}, {summary['precision']}: "
-            f"median of {summary['timed_steps']} timed steps, the slowest rank's.",
-            terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", "peak (GiB)",
-                            f"vs {REFERENCE}"], rows, right={1, 2, 3, 4, 5, 6}),
+            f"median of {summary['timed_steps']} timed steps, the slowest rank's; peak: the largest rank's, {where}.",
+            terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", f"peak {label}",
+                            f"vs {REFERENCE}", f"predicted {label}"], rows, right={1, 2, 3, 4, 5, 6, 7}),
             f"Report: {out / 'bench.md'} ({notes} note{'' if notes == 1 else 's'} there); bench.json and bench.png "
             "beside it."]

@@ -97,16 +97,22 @@ def failed_line(text: str):
     return Text.assemble(("FAIL", "red"), f" {text}")
 
 
+PROGRESS_LINE_EVERY_S = 5.0  # off a terminal: a progress line at most this often
+
+
 def progress(total: int, description: str = ""):
-    """A progress bar on stderr, drawn only on a terminal (left out of logs and pipes); it goes when
-    done. Use as a context manager; its `advance(label)` moves it one step."""
+    """Progress on stderr: on a terminal a bar that goes when done; elsewhere (a log, a pipe, a CI job)
+    a line "zerolens: <label> k/n" at most every PROGRESS_LINE_EVERY_S seconds, so that a long run is
+    not silent. Use as a context manager; its `advance(label)` moves it one step."""
     return Progress(total, description)
 
 
 class Progress:
     def __init__(self, total: int, description: str):
+        import time
         self.total, self.description = total, description
         self.bar = self.task = None
+        self.done, self.clock, self.last_line = 0, time.monotonic, time.monotonic()
 
     def __enter__(self):
         if sys.stderr.isatty():
@@ -119,8 +125,13 @@ class Progress:
         return self
 
     def advance(self, description: str | None = None) -> None:
+        self.done += 1
+        self.description = description or self.description
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, refresh=True, **({"description": description} if description else {}))
+            self.bar.update(self.task, advance=1, refresh=True, description=self.description)
+        elif self.clock() - self.last_line >= PROGRESS_LINE_EVERY_S and self.done < self.total:
+            self.last_line = self.clock()
+            print(f"zerolens: {self.description} {self.done}/{self.total}", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         if self.bar is not None:

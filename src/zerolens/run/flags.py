@@ -188,6 +188,11 @@ def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
     return args.global_batch // nproc
 
 
+# bench without --preset or --model: a model worth timing on GPUs, and on the CPU one whose steps take a
+# fraction of a second (gpt-100m's took 2 minutes for 4 steps of DDP on 2 cores, in 10-15 GB of RAM).
+BENCH_PRESET = {"cuda": "gpt-100m", "cpu": "gpt-tiny"}
+
+
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                      gpus_visible: int | None = None, checked: bool = False) -> RunConfig:
     """The flags resolved against the machine into a RunConfig, checked (check_config) unless
@@ -203,6 +208,10 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     device_note = ""
+    if args.preset is None:  # bench's default, which depends on the device
+        args.preset = BENCH_PRESET[device]
+        if device == "cpu" and not args.model:
+            device_note = f"bench's model on the CPU: {args.preset} (on GPUs {BENCH_PRESET['cuda']}); --preset for another"
     if args.device is None and gpus == 1:
         # Said without a rank count: sweep's points share it, each with its own.
         device_note = ("1 GPU visible: running on CPU processes (gloo), because without --device zerolens takes "
