@@ -50,59 +50,82 @@ def peak_components(rank: dict) -> tuple[str, dict] | None:
                    for keys, label in PEAK_GROUPS}
 
 
-def memory_plot(summary: dict, path: Path) -> Path:
+def memory_plot(summary: dict, path: Path, buckets: dict[str, int] | None = None) -> Path:
     """Left: per strategy and rank, what is held after backward by component (the moment the
-    gradients are all there: after the step DeepSpeed frees its own), beside what is alive
-    at the rank's highest peak (CUDA: by component, from the peak replay; CPU: the tensor tracker's
-    total). Right: the gradients each rank holds after backward as a share of the baseline's,
+    gradients are all there: after the step DeepSpeed frees its own). Middle, on a scale of its own
+    (a peak can be many times what is held): what is alive at the rank's highest peak, on CUDA by
+    component from the peak replay, on the CPU the tensor tracker's total with the reduce bucket
+    (`buckets`: its bytes per strategy, allocated on every backward) drawn in it where the peak is
+    backward's. Right: the gradients each rank holds after backward as a share of the baseline's,
     against 1/N."""
     plt = _pyplot()
     n = summary["world_size"]
     bars = [(name, r) for name, s in summary["strategies"].items() for r in s["ranks"]]
     base = summary["strategies"][summary["baseline"]]["ranks"]
-    fig, (kept_ax, share_ax) = plt.subplots(1, 2, figsize=(max(9, 1.3 * len(bars) + 5), 4.8),
-                                            gridspec_kw={"width_ratios": [3, 1.4]})
+    fig, (kept_ax, peak_ax, share_ax) = plt.subplots(1, 3, figsize=(max(10, 1.6 * len(bars) + 5), 4.8),
+                                                     gridspec_kw={"width_ratios": [2, 2, 1.4]})
     colors = plt.get_cmap("tab10").colors
-    width, x = 0.38, range(len(bars))
+    x = list(range(len(bars)))
     bottom = [0.0] * len(bars)
     for i, (key, label) in enumerate(COMPONENTS[:4]):
         heights = [r[key] / MiB for _, r in bars]
-        kept_ax.bar([k - width / 2 for k in x], heights, width, bottom=bottom, color=colors[i], label=label)
+        kept_ax.bar(x, heights, 0.7, bottom=bottom, color=colors[i], label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
+    labels = [f"{name}\nr{r['rank']}" for name, r in bars]
+    kept_ax.set_xticks(x, labels, fontsize=7)
+    kept_ax.set_ylabel("MiB per rank")
+    kept_ax.set_title(f"Held after backward ({n} ranks, {summary['precision']})", fontsize=10)
+    kept_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     anatomies = [peak_components(r) for _, r in bars]
     if any(anatomies):
         bottom = [0.0] * len(bars)
         for i, (_, label) in enumerate(PEAK_GROUPS):
             heights = [a[1][label] / MiB if a else 0 for a in anatomies]
-            kept_ax.bar([k + width / 2 for k in x], heights, width, bottom=bottom, color=colors[i % 10],
-                        hatch="//", edgecolor="white", label=None if i < 4 else f"at peak: {label}")
+            peak_ax.bar(x, heights, 0.7, bottom=bottom, color=colors[i % 10], hatch="//", edgecolor="white",
+                        label=label)
             bottom = [b + h for b, h in zip(bottom, heights)]
-        ticks = [f"{name}\nr{r['rank']}\nheld | {a[0] if a else '-'}" for (name, r), a in zip(bars, anatomies)]
+        phases = [a[0] if a else "-" for a in anatomies]
     else:
-        peaks = [r["peak_bytes"] / MiB if r["peak_bytes"] is not None else 0 for _, r in bars]
-        kept_ax.bar([k + width / 2 for k in x], peaks, width, color="0.6", label="peak (tensor tracker, total)")
-        ticks = [f"{name}\nr{r['rank']}\nheld | peak" for name, r in bars]
-    kept_ax.set_xticks(list(x), ticks, fontsize=7)
-    kept_ax.set_ylabel("MiB per rank")
-    kept_ax.set_title(f"Held after backward | alive at the highest peak ({n} ranks, {summary['precision']})",
-                      fontsize=10)
-    kept_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+        phases = [max(("forward", "backward", "step"), key=lambda p: r.get(f"peak_during_{p}") or 0) for _, r in bars]
+        peaks = [(r["peak_bytes"] or 0) / MiB for _, r in bars]
+        bucket = [((buckets or {}).get(name, 0) if phase == "backward" else 0) / MiB
+                  for (name, _), phase in zip(bars, phases)]
+        peak_ax.bar(x, [p - b for p, b in zip(peaks, bucket)], 0.7, color="0.6",
+                    label="everything else (tensor tracker's total)")
+        if any(bucket):
+            peak_ax.bar(x, bucket, 0.7, bottom=[p - b for p, b in zip(peaks, bucket)], color=colors[5], hatch="//",
+                        edgecolor="white", label="of which the reduce bucket (every backward)")
+    peak_ax.set_xticks(x, [f"{label}\n{phase}" for label, phase in zip(labels, phases)], fontsize=7)
+    peak_ax.set_ylabel("MiB per rank")
+    peak_ax.set_title("Alive at the highest peak (its phase below)", fontsize=10)
+    peak_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     shares = [r["grad_bytes_after_backward"] / base[r["rank"]]["grad_bytes_after_backward"] for _, r in bars]
-    share_ax.bar(list(x), shares, color=colors[1])
+    share_ax.bar(x, shares, color=colors[1])
     share_ax.axhline(1 / n, color="black", linestyle="--", linewidth=1, label=f"1/N = {1 / n:.3f}")
-    share_ax.set_xticks(list(x), [f"{name}\nr{r['rank']}" for name, r in bars], fontsize=7)
+    share_ax.set_xticks(x, labels, fontsize=7)
     share_ax.set_ylabel(f"gradient bytes / {summary['baseline']}'s")
     share_ax.set_title("Gradients held after backward", fontsize=10)
     share_ax.legend(fontsize=7)
     return _save(fig, path)
 
 
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
+
+
 def loss_plot(strategy_losses: dict[str, list[float]], path: Path, title: str) -> Path:
+    """Each strategy's loss per step, every curve with a line style and markers of its own, so that one
+    drawn over another still shows; a curve equal to an earlier one step for step says so in the legend."""
     from matplotlib.ticker import MaxNLocator
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in strategy_losses.items():
-        ax.plot(range(len(losses)), losses, label=name, linewidth=1.2)
+    drawn: dict[str, list[float]] = {}
+    for i, (name, losses) in enumerate(strategy_losses.items()):
+        same = next((other for other, seen in drawn.items() if seen == list(losses)), None)
+        ax.plot(range(len(losses)), losses, label=name + (f" (identical to {same})" if same else ""), linewidth=1.2,
+                linestyle=LINE_STYLES[i % len(LINE_STYLES)], marker=MARKERS[i % len(MARKERS)],
+                markevery=max(1, len(losses) // 8), markersize=4, markerfacecolor="none")
+        drawn[name] = list(losses)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.set_xlabel("step")
     ax.set_ylabel("loss (global batch)")
@@ -111,8 +134,9 @@ def loss_plot(strategy_losses: dict[str, list[float]], path: Path, title: str) -
     return _save(fig, path)
 
 
-def verify_plots(summary: dict, out: Path) -> list[Path]:
-    return [memory_plot(summary, out / "memory.png"),
+def verify_plots(summary: dict, out: Path, buckets: dict[str, int] | None = None) -> list[Path]:
+    """memory.png and loss.png; `buckets`: each strategy's reduce bucket allocated on every backward, bytes."""
+    return [memory_plot(summary, out / "memory.png", buckets),
             loss_plot({n: s["losses"] for n, s in summary["strategies"].items()}, out / "loss.png",
                       f"Loss per step, {summary['world_size']} ranks, {summary['precision']}")]
 

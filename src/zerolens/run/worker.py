@@ -315,7 +315,9 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
     phase.at(name="plotting")
     try:
         from zerolens.report.plots import verify_plots
-        verify_plots(summary, out)
+        verify_plots(summary, out, {name: registry.spec(name).reduce_bucket_bytes(config.precision,
+                                                                                   config.reduce_bucket_size)
+                                    for name in config.strategies})
     except ImportError:
         say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
     if config.verbose and not quiet:
