@@ -133,7 +133,7 @@ def test_verify_predicts_a_mixture_of_experts_under_ddp(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--model", "hf:not-a-model-type"], "--model hf:not-a-model-type: transformers"),
+    (["--model", "hf:not-a-model-type"], "--model hf:not-a-model-type: unknown to transformers"),
     (["--model", "hf:vit"], "vit is not a causal language model"),
     (["--model", "hf:missing/config.json"], "cannot read it"),
     (["--model", GPT2, "--batch", "x:y"], "--batch is for --model module:factory"),
@@ -149,5 +149,8 @@ def test_user_errors(cli, flags, message, tmp_path):
 def test_an_unknown_model_type_is_one_short_line_with_the_closest_types(cli, tmp_path):
     """transformers' own message lists every model type it knows (12,000 characters in one line)."""
     result = cli("estimate", "--model", "hf:lama")
-    assert result.returncode == 2 and "knows no model type 'lama' (close: llama" in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and len(result.stderr) < 200
+    assert result.returncode == 2 and "hf:lama: unknown to transformers" in result.stderr, result.stderr
+    assert "(close: llama" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and len(result.stderr.strip()) <= 100
+    other = cli("estimate", "--model", "hf:notamodeltype")
+    assert "(hf:gpt2, or a config.json?)" in other.stderr and len(other.stderr.strip()) <= 100, other.stderr

@@ -87,8 +87,8 @@ def test_bad_timeout_and_fault_variable(cli, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["verify", "--reduce-bucket-size", "0"], "--reduce-bucket-size must be from 1 to 2^61 elements"),
     (["verify", "--reduce-bucket-size", "-5"], "--reduce-bucket-size must be from 1 to 2^61 elements"),
-    (["verify", "--reduce-bucket-size", "1e20"], "--reduce-bucket-size must be from 1 to 2^61 elements (a tensor's "
-                                                 "bytes are a 64-bit count), got 1e+20"),
+    (["verify", "--reduce-bucket-size", "1e20"], "--reduce-bucket-size must be from 1 to 2^61 elements (bytes are "
+                                                 "64-bit counts), got 1e+20"),
     (["plan", "--gpu-memory", "8GiB", "--reduce-bucket-sizes", "5e7,1e20"], "--reduce-bucket-sizes must be from 1 to 2^61"),
     (["verify", "--strategies", "zero0,zero2", "--ds-override", '{"zero_optimization": {"reduce_bucket_sise": 5}}'],
      "zero0: DeepSpeed rejects its config: reduce_bucket_sise: Extra inputs are not permitted"),

@@ -203,7 +203,9 @@ def add_parser(subparsers) -> None:
                               description="Per-rank memory by component for each strategy, from the parameter "
                                           "sizes alone: a built-in preset, your model, or a raw count.")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default="case-study")
+    # A metavar: argparse prints a mutually exclusive group on one usage line, which the choices made too long.
+    source.add_argument("--preset", choices=sorted(PRESETS), default="case-study", metavar="PRESET",
+                        help=f"a built-in model: {', '.join(sorted(PRESETS))} (default case-study)")
     source.add_argument("--model", metavar="MODULE:FACTORY",
                         help="a function returning your nn.Module; it is built on the meta device")
     source.add_argument("--params", type=float, help="a raw parameter count, e.g. 7.5e9 (the paper's formulas)")

@@ -56,9 +56,8 @@ def read_config(source: str):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if values["model_type"] not in CONFIG_MAPPING_NAMES:  # transformers' own message lists every type it knows
         close = difflib.get_close_matches(str(values["model_type"]), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
-        raise UserError(f"--model hf:{source}: transformers {transformers.__version__} knows no model type "
-                        f"{values['model_type']!r}" + (f" (close: {', '.join(close)})" if close else "")
-                        + "; give a causal LM's type (hf:gpt2) or a config.json")
+        raise UserError(f"--model hf:{source}: unknown to transformers {transformers.__version__}"
+                        + (f" (close: {', '.join(close)})" if close else " (hf:gpt2, or a config.json?)"))
     try:
         config = transformers.AutoConfig.for_model(**values)
     except (ValueError, KeyError) as e:

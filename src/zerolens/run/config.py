@@ -27,8 +27,7 @@ MAX_BUCKET_ELEMENTS = 2**61
 def bucket_elements(value: float, flag: str = "--reduce-bucket-size") -> int:
     """A reduce bucket size in elements, or one line saying why it cannot be one."""
     if not (math.isfinite(value) and 1 <= value <= MAX_BUCKET_ELEMENTS):
-        raise UserError(f"{flag} must be from 1 to 2^61 elements (a tensor's bytes are a 64-bit count), "
-                        f"got {value:g}")
+        raise UserError(f"{flag} must be from 1 to 2^61 elements (bytes are 64-bit counts), got {value:g}")
     return int(value)
 
 
