@@ -61,3 +61,10 @@ def test_progress_off_a_terminal_says_the_step_now_and_then(capsys, monkeypatch)
             bar.advance("ddp (timed)" if step else None)
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["zerolens: ddp 1/3", "zerolens: ddp (timed) 2/3"]  # the last step is the strategy's done line
+
+
+def test_every_commands_help_fits_the_terminal(cli):
+    from zerolens.cli import VERBS
+    for verb in ["", *(v.__name__.rsplit(".", 1)[1] for v in VERBS)]:
+        result = cli(*([verb] if verb else []), "--help")
+        assert result.returncode == 0 and max(len(line) for line in result.stdout.splitlines()) <= WIDTH, verb
