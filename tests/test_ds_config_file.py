@@ -112,7 +112,7 @@ def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_
     ('{"fp16": {"enabled": true}}', "enables fp16 but the run's precision is bf16"),
     # DeepSpeed itself passes over a top-level key it does not know: a misspelt section would leave the run
     # on zerolens's defaults.
-    ('{"zero_optimizaton": {"stage": 2}}', "DeepSpeed does not read the top-level key 'zero_optimizaton' "
+    ('{"zero_optimizaton": {"stage": 2}}', "--ds-config: DeepSpeed has no key 'zero_optimizaton' "
                                            "(did you mean 'zero_optimization'?)"),
 ])
 def test_bad_config_files(cli, tmp_path, content, message):
@@ -146,7 +146,7 @@ def test_a_deepspeed_config_without_a_deepspeed_strategy_is_refused(cli, tmp_pat
         (tmp_path / "ds.json").write_text(value)
         value = str(tmp_path / "ds.json")
     result = cli("verify", flag, value, "--strategies", "ddp,fsdp2", "--out", str(tmp_path / "run"))
-    assert result.returncode == 2 and f"{flag}: none of the strategies (ddp, fsdp2) runs DeepSpeed" in result.stderr
+    assert result.returncode == 2 and f"{flag}: unused, as none of ddp, fsdp2 runs DeepSpeed" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 

@@ -75,6 +75,12 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     bench.json; raises WorkersFailed when a rank failed."""
     out = Path(config.out)
     save_config(config, out / "config.json", command)
+    # The workers inherit this environment (the fork server, started below, too). DS_ACCELERATOR saves
+    # DeepSpeed a probe and a warning; one OpenMP thread team per core keeps N CPU ranks from fighting over
+    # the cores.
+    os.environ.setdefault("DS_ACCELERATOR", config.device)
+    if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     preload = ("deepspeed",) if registry.needing_deepspeed(config.strategies) else ()
     backend = "nccl" if config.device == "cuda" else "gloo"
     start_workers_server(launched_rank, backend, preload)  # its imports beside the prediction below
@@ -83,11 +89,6 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
         # and no GPU to keep free, so the trace needs no fresh process (the workers make one where the run
         # has GPUs or another launcher started them: prediction.py). They find the file and go on.
         files.write_json(out / PREDICTED_PEAKS, cpu_prediction(config))
-    # The workers inherit this environment. DS_ACCELERATOR saves DeepSpeed a probe and a warning;
-    # one OpenMP thread team per core keeps N CPU ranks from fighting over the cores.
-    os.environ.setdefault("DS_ACCELERATOR", config.device)
-    if config.device == "cpu" and USER_OMP_THREADS is None:  # per run: a sweep changes nproc
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     worker_args = ["--config", str(out / "config.json"), "--resume", "--fail-exit-code", "0", "--command", command,
                    *(["--quiet"] if quiet else [])]
     # A launch ends early after a strategy that left memory allocated (worker.run_strategies); the

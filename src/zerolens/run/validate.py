@@ -47,8 +47,8 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     if (config.ds_config or config.ds_override) and not registry.needing_deepspeed(config.strategies):
         given = " and ".join(flag for flag, value in (("--ds-config", config.ds_config),
                                                       ("--ds-override", config.ds_override)) if value)
-        raise UserError(f"{given}: none of the strategies ({', '.join(config.strategies)}) runs DeepSpeed, so it would "
-                        "not be used; add a zero strategy to --strategies, or leave it out")
+        raise UserError(f"{given}: unused, as none of {', '.join(config.strategies)} runs DeepSpeed (add a zero "
+                        "strategy, or leave it out)")
     if running and registry.needing_deepspeed(config.strategies):
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
@@ -145,8 +145,8 @@ def validate_deepspeed_configs(config: RunConfig, DeepSpeedConfig) -> None:
         for key in [*config.ds_config, *config.ds_override]:
             if key not in read.looked_up:
                 close = difflib.get_close_matches(key, sorted(read.looked_up), n=1)
-                source = "--ds-override" if key in config.ds_override else f"--ds-config {config.ds_config_path}"
-                raise UserError(f"{source}: DeepSpeed does not read the top-level key {key!r}"
+                source = "--ds-override" if key in config.ds_override else "--ds-config"
+                raise UserError(f"{source}: DeepSpeed has no key {key!r}"
                                 + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
