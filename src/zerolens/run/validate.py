@@ -48,7 +48,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
         given = " and ".join(flag for flag, value in (("--ds-config", config.ds_config),
                                                       ("--ds-override", config.ds_override)) if value)
         raise UserError(f"{given}: unused, as none of {', '.join(config.strategies)} runs DeepSpeed (add a zero "
-                        "strategy, or leave it out)")
+                        "strategy or drop it)")
     if running and registry.needing_deepspeed(config.strategies):
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("DeepSpeed is not installed: pip install deepspeed (or use --strategies "
