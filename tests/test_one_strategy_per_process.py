@@ -84,7 +84,7 @@ def test_zerolens_starts_fresh_processes_after_a_strategy_that_left_memory(tmp_p
     for name in ("ddp", "zero0", "zero2"):
         assert summary["strategies"][name]["left_allocated_after_teardown_bytes"] == 2**20
         assert all(r["earlier_strategies_left_bytes"] == 0 for r in summary["strategies"][name]["ranks"])
-    assert any(n.startswith("ddp left 1.0 MiB allocated after its teardown; zero0, zero2 ran in fresh worker")
+    assert any(n.startswith("ddp left 1.00 MiB allocated after its teardown; zero0, zero2 ran in fresh worker")
                for n in summary["notes"])
     metrics = next(c for c in summary["checks"] if c["name"] == "every rank's metrics are complete and agree")
     assert metrics["passed"] and summary["verdict"] == "PASS"

@@ -284,8 +284,6 @@ def default_jobs() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-
-
 def bucket_text(size: int | None) -> str:
     return "-" if size is None else f"{size:.0e}".replace("+", "")
 

@@ -22,7 +22,7 @@ import torch
 
 from zerolens.measure.allocator import AllocatorReadings, still_referenced_wrappers
 from zerolens.measure.census import MeasurementError, count, storage_bytes, storage_keys
-from zerolens.measure.tracker import dtensor_shapes_untraced, memory_tracker_class, reset_tracker_peak, tracker_total
+from zerolens.measure.tracker import reset_tracker_peak, tracked_step, tracker_total
 
 
 class MemoryProbe:
@@ -51,16 +51,11 @@ class MemoryProbe:
             self.allocator.start_detailed_step(strategy.holdings())
             yield
             return
-        self.tracker = memory_tracker_class()()
-        # Tensors that exist before the step: tracked so that their frees during it are seen.
-        held = strategy.holdings()
-        self.tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")
-                                      for t in getattr(held, c) if t is not None])
-        try:
-            with self.tracker, dtensor_shapes_untraced():
+        with tracked_step(strategy) as self.tracker:
+            try:
                 yield
-        finally:
-            self.tracker = None
+            finally:
+                self.tracker = None
 
     # --- What the training loop (train.train) asks of its probe --------------------------------------
     def label(self, strategy, steps_done: int) -> str:

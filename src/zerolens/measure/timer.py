@@ -55,18 +55,13 @@ class StepTimer:
     @contextlib.contextmanager
     def tracked_step(self, strategy):
         """The CPU's last warm-up step under torch's MemTracker, which follows every tensor the step
-        allocates (slow, hence never a timed step); what is held before it is tracked so that its frees
-        during the step are seen."""
-        from zerolens.measure.tracker import dtensor_shapes_untraced, memory_tracker_class
-        self.tracker = memory_tracker_class()()
-        held = strategy.holdings()
-        self.tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")
-                                      for t in getattr(held, c) if t is not None])
-        try:
-            with self.tracker, dtensor_shapes_untraced():
+        allocates (slow, hence never a timed step)."""
+        from zerolens.measure.tracker import tracked_step
+        with tracked_step(strategy) as self.tracker:
+            try:
                 yield
-        finally:
-            self.tracker = None
+            finally:
+                self.tracker = None
 
     @contextlib.contextmanager
     def phase(self, name: str, strategy, record: dict, last: bool, loss=None):

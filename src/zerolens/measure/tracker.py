@@ -34,6 +34,19 @@ def memory_tracker_class():
     return Tracker
 
 
+@contextlib.contextmanager
+def tracked_step(strategy):
+    """torch's MemTracker (memory_tracker_class) around one training step of `strategy`, yielded: the
+    tensors the strategy holds before the step are tracked first, so that their frees during it are
+    seen; DTensor's shape propagation is kept out (dtensor_shapes_untraced)."""
+    tracker = memory_tracker_class()()
+    held = strategy.holdings()
+    tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")
+                             for t in getattr(held, c) if t is not None])
+    with tracker, dtensor_shapes_untraced():
+        yield tracker
+
+
 # torch's MemTracker (torch.distributed._tools, private in torch 2.x) keeps one running peak; a
 # per-phase peak needs it set back to the current total at each phase's start.
 def tracker_total(tracker, kind: str) -> int:

@@ -268,8 +268,10 @@ def peak_prediction_check(name: str, rank: dict) -> dict:
     one buffer of a gloo collective that the phase runs, within the same margin (`gloo_late_free_bytes`,
     per phase: FSDP2's reduce-scatter copies, predict.peak.gloo_reduce_scatter_copies; DeepSpeed's flat
     all-reduce copies): the trace frees each when the collective is waited on, and gloo's own thread,
-    which holds it too, now and then frees it a little later, so a run's peak may catch one. An error
-    of another size, or in a phase without such a collective, fails. CUDA: the highest peak within 3%
+    which holds it too, now and then frees it a little later, so a run's peak may catch one; where the
+    collective is the last of its phase, the next phase's (a CI run measured FSDP2's step 1876 bytes
+    above the prediction on a 6 KiB model, one of backward's 2144-byte buffers less the batch's slack).
+    An error of another size, or in a phase without such a collective before it, fails. CUDA: the highest peak within 3%
     of the allocator's and every phase's within 5%."""
     predicted = predicted_for_measurement(rank)
     # The phases measured on this rank (CPU: the last step's; CUDA: each phase's highest over the steps).
@@ -284,15 +286,22 @@ def peak_prediction_check(name: str, rank: dict) -> dict:
 
         def within(phase: str, miss: int) -> bool:
             return miss <= max(PEAK_PREDICTION_TOLERANCE_CPU * measured[phase], slack)
+
+        def late_buffers(phase: str) -> list[int]:
+            # The phase's own collectives' buffers, and the phase before's: when a collective is its phase's
+            # last, "the next operation" is the next phase's first (the step's, after backward's reduce-scatter).
+            before = PHASES[PHASES.index(phase) - 1]
+            return [*late.get(phase, ()), *late.get(before, ())]
         passed = all(within(phase, misses[phase]) or any(
-            within(phase, abs(measured[phase] - expected[phase] - size)) for size in late.get(phase, ()))
+            within(phase, abs(measured[phase] - expected[phase] - size)) for size in late_buffers(phase))
             for phase in errors)
         tolerance = (f"each phase within {PEAK_PREDICTION_TOLERANCE_CPU:.0%} or the batch's {slack} bytes (CPU: both "
                      "from torch's MemTracker)")
         if late:
-            tolerance += (", or above the prediction by one buffer of a gloo collective the phase runs (" + "; ".join(
-                f"{phase}: {', '.join(map(str, sizes))} bytes" for phase, sizes in late.items()) + "), within the "
-                "same margin: gloo's own thread now and then frees one after the next operation has allocated")
+            tolerance += (", or above the prediction by one buffer of a gloo collective the phase or the one before "
+                          "runs (" + "; ".join(f"{phase}: {', '.join(map(str, sizes))} bytes"
+                                               for phase, sizes in late.items()) + "), within the same margin: gloo's "
+                          "own thread now and then frees one after the next operation has allocated")
         detail = f"worst: {worst} {errors[worst]:+.2%} ({misses[worst]} bytes)"
     else:
         overall = predicted["peak_bytes"] / rank["peak_bytes"] - 1
