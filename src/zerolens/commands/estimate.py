@@ -128,8 +128,9 @@ def paper_unit(entries: dict) -> tuple[float, str, str]:
     from zerolens.report.tables import unit_for
     from zerolens.units import DECIMAL_UNITS
     unit, label = unit_for([e["paper_model_states_bytes"] for e in entries.values()], DECIMAL_UNITS)
-    power = len(str(int(unit))) - 1
-    return unit, label, f"{label} (10^{power} bytes; the paper quotes GB)" if label != "GB" else "GB (10^9 bytes), the paper's unit"
+    if label == "GB":
+        return unit, label, "GB (10^9 bytes), the paper's unit"
+    return unit, label, f"{label} (10^{len(str(int(unit))) - 1} bytes; the paper quotes GB)"
 
 
 def render_estimate(result: dict) -> list:

@@ -51,7 +51,8 @@ def predicted_peak(config, prediction: dict | None, measured: int | None, measur
                 "peak_not_predicted": (prediction or {}).get("why_not", "not predicted in this run")}
     compared = config.device == "cuda" or cpu_step_is_traced(config)
     peak = max(max(predicted_phases(config, r).values()) for r in prediction["ranks"])
-    out = {"predicted_peak_bytes": peak, "peak_prediction_error": peak / measured - 1 if compared and measured else None}
+    out = {"predicted_peak_bytes": peak,
+           "peak_prediction_error": peak / measured - 1 if compared and measured else None}
     if config.device == "cuda" and all("reserved_peak_bytes" in r for r in prediction["ranks"]):
         setting, _ = allocator_setting(alloc_conf)
         reserved = max(r["reserved_peak_bytes"][setting] for r in prediction["ranks"])

@@ -211,7 +211,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     if args.preset is None:  # bench's default, which depends on the device
         args.preset = BENCH_PRESET[device]
         if device == "cpu" and not args.model:
-            device_note = f"bench's model on the CPU: {args.preset} (on GPUs {BENCH_PRESET['cuda']}); --preset for another"
+            device_note = (f"bench's model on the CPU: {args.preset} (on GPUs {BENCH_PRESET['cuda']}); "
+                           "--preset for another")
     if args.device is None and gpus == 1:
         # Said without a rank count: sweep's points share it, each with its own.
         device_note = ("1 GPU visible: running on CPU processes (gloo), because without --device zerolens takes "
