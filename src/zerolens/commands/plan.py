@@ -208,8 +208,8 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
         try:
             depths = ({name: searches.submit(search, name) for name in config.strategies}
                       if depth_search else {})
-            rows, too_large, not_predicted = grid_rows(config, grid, micro_batches, memory, cuda_capability,
-                                                       executor, progress)
+            rows, too_large, not_predicted = grid_rows(config, grid, micro_batches, memory, params,
+                                                       cuda_capability, executor, progress)
             deepest = {name: future.result() for name, future in depths.items()}
         except BaseException:  # an interrupt (SIGINT, SIGTERM) among them: no trace may outlive the command
             end_pool(executor)
@@ -227,12 +227,11 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
                         "strategies": deepest} if depth_search else None}
 
 
-def grid_rows(config: RunConfig, grid: list[tuple], micro_batches: list[int], memory: int,
+def grid_rows(config: RunConfig, grid: list[tuple], micro_batches: list[int], memory: int, params: int,
               cuda_capability: tuple[int, int], executor, progress) -> tuple[list, list, dict]:
     """The grid's candidates predicted, micro-batch by micro-batch from the smallest, each (strategy,
     checkpointing, bucket) until its first that does not fit: the rows that fit, those that do not,
-    and why a strategy is not predicted."""
-    params = sum(s.numel() for s in parameter_shapes(config.model))
+    and why a strategy is not predicted. `params`: the model's parameter count."""
     rows, too_large, not_predicted = [], [], {}
     alive = grid
     for micro_batch in sorted(micro_batches):
