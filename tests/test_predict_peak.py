@@ -279,3 +279,49 @@ def test_fsdp2s_collective_buffers_are_on_streams_of_their_own():
             one_stream = [(action, ident, size, 0) for action, ident, size, _ in requests]
             assert run_requests(requests).reserved_peak >= run_requests(one_stream).reserved_peak
     assert streams == {"fsdp2": {0, 1, 2}, "ddp": {0}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, preset, precision, world_size, cuda, bucket", [
+    ("zero2", "gpt-tiny", "bf16", 5, None, 20_000),  # small buckets: each rank's buffer made at its own reduction
+    ("zero1", "gpt-tiny", "fp32", 3, None, 50_000_000),  # fp32: the norm's copies are the views themselves
+    ("zero2", "case-study", "fp16", 4, (9, 0), 500_000),  # a CUDA target: sizes in whole 512 bytes
+    ("zero1", "gpt-tiny", "bf16", 7, (9, 0), 20_000),
+])
+def test_zero12s_one_trace_spliced_for_every_rank_is_each_ranks_own_trace(name, preset, precision, world_size, cuda,
+                                                                        bucket):
+    """ZeRO-1/2 trace rank 0 once and splice each rank's gradient buffer, slice pieces and padding into its
+    sequence: every figure of every rank (peaks per phase and step, held, the allocator's needs) equals
+    what that rank's own trace gives."""
+    from zerolens.predict.peak import predict_or_why_not, spliced_ranks
+    settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=2, reduce_bucket_size=bucket)
+    spliced = spliced_ranks(name, PRESETS[preset], settings, cuda_capability=cuda, trace_on="cpu")
+    own = [predict_peaks(name, PRESETS[preset], settings, rank=rank, cuda_capability=cuda, trace_on="cpu")
+           for rank in range(world_size)]
+    assert spliced == own
+    # The ranks do allocate differently: gradient buffers of different sizes
+    from zerolens.models.model import parameter_shapes
+    from zerolens.strategies.layout import zero_partition_layout
+    layout = zero_partition_layout([s.numel() for s in parameter_shapes(PRESETS[preset])], world_size)
+    assert len({part.grad_buffer_elements for part in layout}) > 1
+    assert predict_or_why_not(name, PRESETS[preset], settings, cuda_capability=cuda, trace_on="cpu")["ranks"] == own
+
+
+@pytest.mark.slow
+def test_the_allocator_model_replays_the_neediest_distinct_sequences_where_there_are_too_many(monkeypatch):
+    """At thousands of ranks ZeRO-2's ranks make hundreds of distinct sequences, each a replay of seconds:
+    the allocator model replays the ALLOCATOR_REPLAYS with the highest allocated peaks, exactly; the other
+    ranks say so and carry no allocator figures (plan takes its neediest rank among those replayed)."""
+    from zerolens.predict import peak
+    monkeypatch.setattr(peak, "ALLOCATOR_REPLAYS", 2)
+    settings = TrainSettings(precision="bf16", world_size=7, micro_batch=2, reduce_bucket_size=20_000)
+    spliced = peak.spliced_ranks("zero2", PRESETS["gpt-tiny"], settings, cuda_capability=(9, 0), trace_on="cpu")
+    replayed = [r for r in spliced if "min_allocator_cap_bytes" in r]
+    others = [r for r in spliced if "min_allocator_cap_bytes" not in r]
+    assert replayed and others and all("allocator_not_replayed" in r for r in others)
+    assert min(r["peak_bytes"] for r in replayed) >= max(r["peak_bytes"] for r in others)
+    for rank, predicted in enumerate(spliced):
+        if predicted in replayed:
+            own = predict_peaks("zero2", PRESETS["gpt-tiny"], settings, rank=rank, cuda_capability=(9, 0),
+                                trace_on="cpu")
+            assert predicted == own

@@ -36,6 +36,25 @@ def test_rank_with_no_parameters_holds_a_zero_buffer():
     assert [r.overlapping_params for r in layout[1:]] == [(), (), ()]
 
 
+def test_one_ranks_partition_is_the_rule_applied_to_every_parameter():
+    """zero_rank_partition finds a rank's parameters by bisection; they are those get_partition_info's
+    rule picks by looking at every parameter (empty ones, straddles, ranks of padding alone)."""
+    import math
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        numels = [rng.choice([0, 1, 2, 3, 7, 50, 1000]) for _ in range(rng.randint(1, 12))]
+        world_size = rng.randint(1, 9)
+        total = sum(numels)
+        size = max(1, math.ceil(total / (2 * world_size))) * 2 if total else 0
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        for rank, part in enumerate(zero_partition_layout(numels, world_size)):
+            start, end = rank * size, (rank + 1) * size
+            expected = tuple(i for i, (off, n) in enumerate(zip(offsets, numels))
+                             if start <= off < end or off < start < off + n)
+            assert (part.partition_elements, part.overlapping_params) == (size, expected), (numels, world_size, rank)
+
+
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states  # noqa: E402
 from zerolens.strategies.registry import predict_retained  # noqa: E402
 

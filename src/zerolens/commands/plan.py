@@ -99,11 +99,15 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int]) -> dict:
     setting, _ = allocator_setting()
     outside = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
     ranks = predicted["ranks"]
-    rank = max(range(config.nproc), key=lambda r: (ranks[r]["min_allocator_cap_bytes"][setting], ranks[r]["peak_bytes"]))
+    # Where ranks make too many distinct sequences for the allocator model to replay them all, those with
+    # the highest allocated peaks (peak.spliced_ranks)
+    replayed = [r for r in range(config.nproc) if "min_allocator_cap_bytes" in ranks[r]]
+    rank = max(replayed, key=lambda r: (ranks[r]["min_allocator_cap_bytes"][setting], ranks[r]["peak_bytes"]))
     peaks = ranks[rank]
     return {"needs_bytes": peaks["min_allocator_cap_bytes"][setting] + outside, "rank": rank,
             "min_allocator_cap_bytes": peaks["min_allocator_cap_bytes"][setting], "outside_allocator_bytes": outside,
-            "needs_expandable_bytes": max(r["min_allocator_cap_bytes"]["expandable_segments"] for r in ranks) + outside,
+            "needs_expandable_bytes": max(ranks[r]["min_allocator_cap_bytes"]["expandable_segments"]
+                                          for r in replayed) + outside,
             "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
             **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")}}
 

@@ -127,6 +127,16 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on="cpu"`
     traces on CPU tensors even where a GPU is visible (else trace_device decides); `steps`, how many. For a CUDA
     target, the allocations handed to the allocator model are appended to `requests` where given."""
+    return traced_rank(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
+                       trace_on=trace_on, steps=steps, requests=requests)[0]
+
+
+def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
+                cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
+                requests: list | None = None, brackets: bool = False) -> tuple[dict, dict]:
+    """predict_peaks, and what a splice needs of the trace (`brackets`: the step model's rank_own
+    brackets and each phase's start recorded in the allocation sequence, whatever the target):
+    `requests`, `phase_peaks` (the tracker's peak per (step, phase)), `held`, `step_model`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerolens.measure.tracker import reset_tracker_peak, tracker_total
@@ -136,10 +146,12 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     model = meta_model(model_config)  # built outside FakeTensorMode, which then gives it fake storage
     device = torch.device("cpu") if trace_on == "cpu" else trace_device(cuda_capability)
     # For a CUDA target, what the caching allocator is asked, in order (the workspaces' included).
-    if cuda_capability is None:
+    if cuda_capability is None and not brackets:
         requests = None
     elif requests is None:
         requests = []
+    if brackets:
+        step_model.mark = lambda action, label, payload: requests.append((action, label, payload, 0))
     workspaces = cublas_workspaces(cuda_capability)
     tracker = totals_tracker(requests, device.type)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
@@ -162,6 +174,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
         @contextlib.contextmanager
         def phase(name: str, into: dict):
             reset_tracker_peak(tracker)
+            if brackets:
+                requests.append(("phase", (len(traced) - 1, name), None, 0))
             if requests is not None and len(traced) == 1:  # the first step allocates the workspaces
                 requests.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
             before = len(gloo_copies), len(modelled_buffers)
@@ -187,15 +201,68 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
                 step_model.step()
         held = tracker_total(tracker, "current")
     workspace = cublas_workspace_bytes(cuda_capability)
+    out = peaks_of(traced, held, workspace)
+    # A trace with brackets stands for every rank: spliced_ranks gives each its own needs
+    needs = allocator_needs(plain_requests(requests)) if cuda_capability is not None and not brackets else {}
+    out |= needs | {"cublas_workspace_bytes": workspace,
+                    "target": "cpu" if cuda_capability is None else "cuda", "traced_on": traced_on(device),
+                    "batch_bytes": tokens.nbytes + labels.nbytes,
+                    "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
+                    if cuda_capability is None else {}}
+    phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
+    return out, {"requests": requests, "phase_peaks": phase_peaks, "held": held, "step_model": step_model}
+
+
+def peaks_of(traced: list[dict[str, int]], held: int, workspace: int) -> dict:
+    """A rank's peaks from each traced step's peak per phase and what is held after the last."""
     out = {f"peak_during_{phase}": max(t[phase] for t in traced) + workspace for phase in PHASES}
-    needs = allocator_needs(requests) if requests is not None else {}
-    return out | needs | {"peak_bytes": max(out.values()),
+    return out | {"peak_bytes": max(out.values()),
                   "last_step": {f"peak_during_{phase}": traced[-1][phase] + workspace for phase in PHASES},
-                  "held_after_step_bytes": held + workspace, "cublas_workspace_bytes": workspace,
-                  "target": "cpu" if cuda_capability is None else "cuda", "traced_on": traced_on(device),
-                  "batch_bytes": tokens.nbytes + labels.nbytes,
-                  "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
-                  if cuda_capability is None else {}}
+                  "held_after_step_bytes": held + workspace}
+
+
+def plain_requests(requests: list) -> list:
+    """The allocations and frees of a recorded sequence, without its marks (phases, brackets)."""
+    return [r for r in requests if r[0] in ("alloc", "free")]
+
+
+def sequence_peaks(requests: list) -> tuple[dict, int]:
+    """The highest total of a recorded sequence's allocations in each phase it marks (from what was
+    allocated at the phase's start), and the total at its end."""
+    total, sizes, phase, peaks = 0, {}, None, {}
+    for action, ident, size, _ in requests:
+        if action == "phase":
+            phase = ident
+            peaks[phase] = total
+            continue
+        if action == "alloc":
+            sizes[ident] = size
+            total += size
+        elif action == "free":
+            total -= sizes.pop(ident)
+        else:
+            continue
+        if phase is not None and total > peaks[phase]:
+            peaks[phase] = total
+    return peaks, total
+
+
+def spliced_requests(requests: list, rank_requests, tracked_bytes) -> list:
+    """A trace's sequence as another rank would make it: each rank_own bracket's content replaced by
+    that rank's own (`rank_requests`, the step model's for that rank), each size counted as the
+    tracker counts it (`tracked_bytes`); the marks of phases kept."""
+    out, inside, state = [], False, {}
+    for request in requests:
+        action, label, payload, _ = request
+        if action == "begin":
+            inside = True
+            out += [(own_action, f"own-{own}", tracked_bytes(size), 0)
+                    for own_action, own, size in rank_requests(label, payload, state)]
+        elif action == "end":
+            inside = False
+        elif not inside:
+            out.append(request)
+    return out
 
 
 @contextlib.contextmanager
@@ -347,15 +414,18 @@ def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: s
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
-    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}, one trace
-    standing for all the ranks that allocate alike (ranks_alike). A model that cannot be traced on
-    fake tensors is not predicted, and its run goes on; the traceback is kept (`traceback`) in case
-    the fault is a step model's."""
+    """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}: for ZeRO-1/2,
+    one trace spliced for every rank (spliced_ranks); else one trace standing for all the ranks that
+    allocate alike (ranks_alike). A model that cannot be traced on fake tensors is not predicted, and
+    its run goes on; the traceback is kept (`traceback`) in case the fault is a step model's."""
     why = why_not_traced(name, model_config, settings)
     if why:
         return {"why_not": why}
-    alike = ranks_alike(name, model_config, settings)
     try:
+        spec = registry.spec(name)
+        if spec.flat_partition and hasattr(spec.step_model_class(), "rank_requests"):
+            return {"ranks": spliced_ranks(name, model_config, settings, **options)}
+        alike = ranks_alike(name, model_config, settings)
         traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options) for rank in set(alike.values())}
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
@@ -364,13 +434,122 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
     return {"ranks": [traced[like] for like in alike.values()]}
 
 
+# The most distinct rank sequences of one trace the allocator model replays (spliced_ranks): each
+# replay of a 70B model's three steps takes seconds, and at 256 ranks ZeRO-2's ranks made 103 distinct
+# sequences. Those with the highest allocated peaks are replayed.
+ALLOCATOR_REPLAYS = 8
+
+
+def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings, *,
+                  cuda_capability: tuple[int, int] | None = None, **options) -> list[dict]:
+    """Every rank's predict_peaks from one trace, for a step model whose ranks differ only in what it
+    allocates inside its rank_own brackets (DeepSpeed ZeRO-1/2: each rank's gradient buffer, the
+    pieces of its slice, its padding). Rank 0 is traced with the brackets marked; each rank's
+    sequence is rank 0's with the brackets' content replaced by its own, and its peaks are its
+    sequence's (rank_peaks), plus what the tracker counted beside the sequence in rank 0's trace (the
+    same on every rank). For a CUDA target the allocator model replays each distinct sequence, at most
+    ALLOCATOR_REPLAYS of them, those with the highest allocated peaks; a rank whose sequence was not
+    replayed says so (`allocator_not_replayed`) and has no allocator figures.
+    tests/test_predict_peak.py checks every rank against its own trace."""
+    out, record = traced_rank(name, model_config, settings, rank=0, cuda_capability=cuda_capability,
+                              brackets=True, **options)
+    requests, step_model = record["requests"], record["step_model"]
+    template_peaks, template_end = sequence_peaks(requests)
+    beside = {key: peak - template_peaks[key] for key, peak in record["phase_peaks"].items()}
+    steps = 1 + max(step for step, _ in beside)
+    if cuda_capability is None:
+        def tracked_bytes(size: int) -> int:
+            return size
+    else:  # as MemTracker counts a CUDA storage (and predict/without_gpu.py for CPU tensors standing for one)
+        def tracked_bytes(size: int) -> int:
+            return -(-size // 512) * 512
+    base, base_end = without_brackets(requests)
+    ranks, contents = [], []
+    for rank in range(settings.world_size):
+        peaks, live, content = rank_peaks(base, step_model.rank_requests(rank), tracked_bytes)
+        traced = [{phase: peaks[(step, phase)] + beside[(step, phase)] for phase in PHASES} for step in range(steps)]
+        ranks.append(out | peaks_of(traced, record["held"] + base_end + live - template_end,
+                                    out["cublas_workspace_bytes"]))
+        contents.append(content)
+    if cuda_capability is not None:
+        first_with = {}  # a distinct sequence -> the first rank that makes it
+        for rank, content in enumerate(contents):
+            first_with.setdefault(content, rank)
+        replayed = sorted(first_with.values(), key=lambda r: -ranks[r]["peak_bytes"])[:ALLOCATOR_REPLAYS]
+        needs = {contents[r]: allocator_needs(plain_requests(spliced_requests(
+            requests, step_model.rank_requests(r), tracked_bytes))) for r in replayed}
+        for rank, content in enumerate(contents):
+            ranks[rank] |= needs.get(content) or {"allocator_not_replayed": (
+                f"{len(first_with)} ranks allocate in distinct orders; the allocator model replayed the "
+                f"{ALLOCATOR_REPLAYS} with the highest allocated peaks")}
+    return ranks
+
+
+def without_brackets(requests: list) -> tuple[list, int]:
+    """A bracketed trace's sequence as what every rank shares: ("segment", phase, highest total) for
+    each stretch between phase marks and brackets, and ("bracket", label, payload, total, phase) where
+    each rank's own allocations go; and the total at the end."""
+    items, sizes, total, phase, highest, inside = [], {}, 0, None, 0, False
+    for action, ident, size, _ in requests:
+        if action in ("phase", "begin"):
+            if phase is not None:
+                items.append(("segment", phase, highest))
+            if action == "phase":
+                phase = ident
+            else:
+                items.append(("bracket", ident, size, total, phase))
+                inside = True
+            highest = total
+        elif action == "end":
+            inside = False
+        elif not inside:
+            if action == "alloc":
+                sizes[ident] = size
+                total += size
+                highest = max(highest, total)
+            else:
+                total -= sizes.pop(ident)
+    if phase is not None:
+        items.append(("segment", phase, highest))
+    return items, total
+
+
+def rank_peaks(base: list, rank_requests, tracked_bytes) -> tuple[dict, int, tuple]:
+    """One rank's highest total per phase (step, phase) over the shared sequence (without_brackets) with
+    its own allocations in the brackets (`rank_requests`, the step model's for the rank; sizes as the
+    tracker counts them), what its own allocations hold at the end, and what they are (its brackets'
+    content, alike for ranks whose sequences are)."""
+    peaks, sizes, live, state, content = {}, {}, 0, {}, []
+    for item in base:
+        if item[0] == "segment":
+            _, phase, highest = item
+            peaks[phase] = max(peaks.get(phase, 0), highest + live)
+            continue
+        _, label, payload, total, phase = item
+        own = rank_requests(label, payload, state)
+        if not own:  # most brackets, for most ranks (the reductions before and after its gradient buffer's)
+            content.append(())
+            continue
+        own = tuple((action, name, tracked_bytes(size)) for action, name, size in own)
+        content.append(own)
+        for action, name, size in own:
+            if action == "alloc":
+                sizes[name] = size
+                live += size
+                if phase is not None:
+                    peaks[phase] = max(peaks.get(phase, 0), total + live)
+            else:
+                live -= sizes.pop(name)
+    return peaks, live, tuple(content)
+
+
 def ranks_alike(name: str, model_config: ModelConfig, settings: TrainSettings) -> dict[int, int]:
-    """Each rank -> the rank whose trace stands for it. ZeRO-1/2's flat partition cuts each rank's
-    slice across parameters at its own place (buffers of the parameters it straddles): every rank is
-    its own. The other strategies allocate the same on every rank but for what their layout gives
-    each (FSDP2's last ranks keep fewer rows where a dim 0 does not divide by N): ranks whose
-    retained layout is the same are traced once (tests/test_predict_peak.py checks their traces
-    are equal)."""
+    """Each rank -> the rank whose trace stands for it. A flat partition cuts each rank's slice across
+    parameters at its own place (buffers of the parameters it straddles): every rank is its own, where
+    its step model cannot splice one trace for all (spliced_ranks). The other strategies allocate the
+    same on every rank but for what their layout gives each (FSDP2's last ranks keep fewer rows where
+    a dim 0 does not divide by N): ranks whose retained layout is the same are traced once
+    (tests/test_predict_peak.py checks their traces are equal)."""
     import math
     spec, n = registry.spec(name), settings.world_size
     if spec.flat_partition:

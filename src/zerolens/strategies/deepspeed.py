@@ -400,7 +400,15 @@ class DeepSpeedStepModel(Strategy):
       one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
       frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
       16-bit slice (the all-gather writes into the flat buffer in place).
+
+    Under ZeRO-1/2 ranks differ only in their gradient buffer (its size, and the reduction that
+    makes it), the norm's fp32 copies of their slice's pieces and the last rank's padding. The
+    trace of one rank stands for all (predict/peak.py, spliced_requests): those allocations are made
+    inside `rank_own` brackets, which `mark` records in the allocation sequence, and `rank_requests`
+    says what any rank allocates and frees in each.
     """
+
+    mark = None  # set by a trace that records brackets: mark(action, label, payload)
 
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, stage: int):
         if stage not in (0, 1, 2):
@@ -412,7 +420,7 @@ class DeepSpeedStepModel(Strategy):
         self.collective_buffer_sizes: list[int] = []
 
     def setup(self, model, device):
-        from zerolens.strategies.layout import zero_partition_layout
+        from zerolens.strategies.layout import flat_offsets, zero_rank_partition
         self.device = device
         with torch.no_grad():
             # The engine casts the whole model; the optimizer has the parameters that train (a frozen
@@ -428,7 +436,7 @@ class DeepSpeedStepModel(Strategy):
                 self.opt = torch_adamw(self.masters, self.settings, self.cuda)
             else:
                 numels = [p.numel() for p in params]
-                part = zero_partition_layout(numels, self.settings.world_size)[self.rank]
+                part = zero_rank_partition(numels, self.settings.world_size, self.rank)
                 self.partition = part
                 flat = torch.empty(part.partition_elements * self.settings.world_size, dtype=self.dtype, device=device)
                 offset = 0
@@ -439,11 +447,14 @@ class DeepSpeedStepModel(Strategy):
                 # .clone().float(), as DeepSpeed makes it: a copy even in fp32.
                 self.master = flat[part.start:part.start + part.partition_elements].clone().float()
                 self.opt = torch_adamw([self.master], self.settings, self.cuda)
+                self.numels = numels
+                self.param_index = {id(p): i for i, p in enumerate(params)}
                 self.in_partition = [params[i] for i in part.overlapping_params]
                 self.in_partition_ids = {id(p) for p in self.in_partition}
-                self.first_param_offset = sum(numels[:part.overlapping_params[0]]) if part.overlapping_params else 0
+                offsets = flat_offsets(tuple(numels))
+                self.first_param_offset = offsets[part.overlapping_params[0]] if part.overlapping_params else 0
                 # Each parameter's place in the flat buffer, for the slices each rank reduces.
-                self.flat_offset = {id(p): sum(numels[:i]) for i, p in enumerate(params)}
+                self.flat_offset = {id(p): offsets[i] for i, p in enumerate(params)}
         self.module = model
         self.grads_in_partition = None
         self.bucket = None
@@ -549,9 +560,10 @@ class DeepSpeedStepModel(Strategy):
             flat = torch.empty(elements, dtype=self.dtype, device=self.device)
             self.collective_buffer_sizes += [flat.nbytes, *(n * flat.element_size() for n in self._slices_per_rank())]
             del flat
-        if self.grads_in_partition is None and any(id(p) in self.in_partition_ids for p in self.pending):
-            self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
-                                                  device=self.device)
+        with self.rank_own("grad-buffer", tuple(self.param_index[id(p)] for p in self.pending)):
+            if self.grads_in_partition is None and any(id(p) in self.in_partition_ids for p in self.pending):
+                self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
+                                                      device=self.device)
         self.bucket_used, self.pending = 0, []
 
     def _slices_per_rank(self) -> list[int]:
@@ -599,15 +611,20 @@ class DeepSpeedStepModel(Strategy):
                 start, end = max(offset, lead), min(offset + p.numel(), lead + inside)
                 views.append(self.grads_in_partition[start:end])
                 offset += p.numel()
-            for view in views:  # the norm, one fp32 copy at a time
-                torch.linalg.vector_norm(view.to(torch.float32))
-            view = None  # the loop's last view would keep the gradient buffer alive
-            padding = [torch.zeros(part.padding_elements, dtype=self.dtype, device=self.device)] \
-                if part.padding_elements else []
+            with self.rank_own("norms"):
+                for view in views:  # the norm, one fp32 copy at a time
+                    torch.linalg.vector_norm(view.to(torch.float32))
+                view = None  # the loop's last view would keep the gradient buffer alive
+            with self.rank_own("padding"):
+                padding = [torch.zeros(part.padding_elements, dtype=self.dtype, device=self.device)] \
+                    if part.padding_elements else []
             flat16 = torch.cat(views + padding)  # flatten_dense_tensors_aligned: a new tensor
             grad32 = flat16.to(torch.float32)
-            del flat16, views, padding
-            self.grads_in_partition = None
+            del flat16
+            with self.rank_own("padding-free"):
+                del views, padding
+            with self.rank_own("grad-buffer-free"):
+                self.grads_in_partition = None
             self.master.grad = grad32
             grad32.mul_(1.0)  # unscale and clip, in place
             del grad32
@@ -621,3 +638,50 @@ class DeepSpeedStepModel(Strategy):
 
     def teardown(self):
         pass
+
+    @contextlib.contextmanager
+    def rank_own(self, label: str, payload=None):
+        """Allocations that differ between ranks, bracketed for a trace that records them (`mark`)."""
+        if self.mark:
+            self.mark("begin", label, payload)
+        yield
+        if self.mark:
+            self.mark("end", label, None)
+
+    def rank_requests(self, rank: int):
+        """What rank `rank` allocates and frees inside each `rank_own` bracket, as a function of the
+        bracket's label and payload and a dict it keeps between brackets: a list of (action, name, bytes),
+        a name alive once at a time. The same statements as the brackets' own, sized for that rank."""
+        from zerolens.strategies.layout import flat_offsets, zero_rank_partition
+        part = zero_rank_partition(self.numels, self.settings.world_size, rank)
+        size = self.dtype.itemsize
+        overlapping = set(part.overlapping_params)
+        first = part.overlapping_params[0] if part.overlapping_params else 0
+        lead = part.start - flat_offsets(tuple(self.numels))[first]
+        inside = part.partition_elements - part.padding_elements
+        pieces, offset = [], 0
+        for i in part.overlapping_params:
+            n = self.numels[i]
+            pieces.append(min(offset + n, lead + inside) - max(offset, lead))
+            offset += n
+        copies = self.dtype != torch.float32  # .to(torch.float32) of an fp32 view is the view itself
+
+        def requests(label: str, payload, state: dict) -> list[tuple[str, str, int]]:
+            if label == "grad-buffer":
+                if not state.get("grad-buffer") and not overlapping.isdisjoint(payload):
+                    state["grad-buffer"] = True
+                    return [("alloc", "grad-buffer", part.grad_buffer_elements * size)]
+                return []
+            if label == "norms":
+                out = []
+                for n in pieces:
+                    out += ([("alloc", "norm-copy", n * 4)] if copies else []) + [("alloc", "norm", 4)]
+                    out += ([("free", "norm-copy", 0)] if copies else []) + [("free", "norm", 0)]
+                return out
+            if label in ("padding", "padding-free"):
+                action = "alloc" if label == "padding" else "free"
+                return [(action, "padding", part.padding_elements * size)] if part.padding_elements else []
+            if label == "grad-buffer-free":
+                return [("free", "grad-buffer", 0)] if state.pop("grad-buffer", False) else []
+            raise ValueError(f"no bracket {label!r}")
+        return requests

@@ -23,6 +23,9 @@ each parameter on its own, so its layout needs the parameters' shapes, not only 
 """
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
@@ -50,26 +53,38 @@ class RankPartition:
 
 def zero_partition_layout(param_numels: list[int], world_size: int) -> list[RankPartition]:
     """Per-rank partition of one ZeRO-1/2 parameter group (no parameter_alignment, no round-robin)."""
+    return [zero_rank_partition(param_numels, world_size, rank) for rank in range(world_size)]
+
+
+def zero_rank_partition(param_numels: list[int], world_size: int, rank: int) -> RankPartition:
+    """One rank's zero_partition_layout, in time that does not grow with the ranks (a 70B model's
+    layout is asked for at 4096 ranks, one rank at a time)."""
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
-    total = sum(param_numels)
+    offsets = flat_offsets(tuple(param_numels))  # offsets[i]: where parameter i starts; the last, the total
+    total = offsets[-1]
     alignment = ALIGNMENT_FACTOR * world_size
     padded = math.ceil(total / alignment) * alignment
     size = padded // world_size
-    offsets = [sum(param_numels[:i]) for i in range(len(param_numels))]
-    layout = []
-    for rank in range(world_size):
-        start, end = rank * size, (rank + 1) * size
-        # Same rule as get_partition_info: a parameter belongs if it starts in the slice or
-        # straddles its start.
-        overlapping = tuple(i for i, (off, n) in enumerate(zip(offsets, param_numels))
-                            if start <= off < end or off < start < off + n)
-        layout.append(RankPartition(
-            rank=rank, start=start, partition_elements=size,
-            padding_elements=max(0, min(end, padded) - max(start, total)),
-            overlapping_params=overlapping,
-            grad_buffer_elements=sum(param_numels[i] for i in overlapping)))
-    return layout
+    start, end = rank * size, (rank + 1) * size
+    # Same rule as get_partition_info: a parameter belongs if it starts in the slice or straddles its
+    # start (only the last one to start before it can).
+    starting = range(bisect.bisect_left(offsets, start, hi=len(param_numels)),
+                     bisect.bisect_left(offsets, end, hi=len(param_numels)))
+    before = starting.start - 1
+    straddles = before >= 0 and offsets[before] < start < offsets[before] + param_numels[before]
+    overlapping = ((before,) if straddles else ()) + tuple(starting)
+    return RankPartition(
+        rank=rank, start=start, partition_elements=size,
+        padding_elements=max(0, min(end, padded) - max(start, total)),
+        overlapping_params=overlapping,
+        grad_buffer_elements=sum(param_numels[i] for i in overlapping))
+
+
+@functools.lru_cache(maxsize=4)
+def flat_offsets(param_numels: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each parameter starts in the flat buffer, and (last) where the last one ends."""
+    return (0, *itertools.accumulate(param_numels))
 
 
 @dataclass(frozen=True)
@@ -211,7 +226,7 @@ def deepspeed_stage0_layout(x: Layout) -> dict:
         # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
         # never freed); fp32 masters and one Adam state on the rank's 1/N slice
         # (bf16_optimizer.py, 0.16).
-        p = zero_partition_layout(x.param_numels, x.world_size)[x.rank].partition_elements
+        p = zero_rank_partition(x.param_numels, x.world_size, x.rank).partition_elements
         padded = p * x.world_size
         return retained(e * padded, e * psi + FP32 * padded, e * psi + FP32 * padded,
                         (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, psi)
@@ -224,7 +239,7 @@ def deepspeed_stage0_layout(x: Layout) -> dict:
 def deepspeed_flat_partition_layout(x: Layout) -> dict:
     """ZeRO-1/2: one flat group of the parameters that train (frozen ones stay whole, in 16-bit, on
     every rank); the reduce bucket is freed by backward's end."""
-    part = zero_partition_layout(x.trained_numels, x.world_size)[x.rank]
+    part = zero_rank_partition(x.trained_numels, x.world_size, x.rank)
     p, e = part.partition_elements, x.element_bytes
     frozen = x.psi - x.trained_psi
     return retained(e * (p * x.world_size + frozen), e * part.held_grad_elements, 0,
