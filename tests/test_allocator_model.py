@@ -95,6 +95,23 @@ def test_splitting_and_merging_within_a_segment_only():
     assert whole.size == LARGE_BUFFER and whole.segment is x.segment
 
 
+def test_segments_larger_than_a_gib_do_not_overlap():
+    """A run without recorded addresses places each segment above the last (a 70B model's flat buffers
+    are tens of GiB): a block left free in one segment and another segment's block of the same size
+    are two blocks, not one (this sequence once failed with a KeyError)."""
+    GiB = 2**30
+    requests = [("alloc", "a", 3 * GiB, 0), ("free", "a", 0, 0),
+                ("alloc", "b", 1 * GiB, 0),  # splits a's segment: 2 GiB left free above b
+                ("alloc", "c", 2 * GiB, 0),  # takes it
+                ("alloc", "d", 2 * GiB, 0),  # a segment of its own
+                ("free", "c", 0, 0), ("free", "d", 0, 0),
+                ("alloc", "e", 2 * GiB, 0), ("alloc", "f", 2 * GiB, 0)]  # each takes one of the two
+    model = run_requests(requests)
+    assert (model.reserved_peak, model.allocated_peak) == (5 * GiB, 5 * GiB)
+    segments = sorted((s[0], s[1]) for s in model.snapshot())
+    assert all(a + size <= b for (a, size), (b, _) in zip(segments, segments[1:]))
+
+
 def test_under_a_cap_cached_segments_are_freed_before_out_of_memory():
     a = CachingAllocator(cap=44 * MiB)
     first = a.malloc(20 * MiB)  # its own 20 MiB segment

@@ -175,8 +175,15 @@ class CachingAllocator:
         self.segments: dict[int, Segment] = {}
         self.reserved = self.allocated = self.reserved_peak = self.allocated_peak = 0
         self.events: list[tuple[str, int, int, int]] = []
-        bump = itertools.count(1 << 40, EXPANDABLE_RANGE if expandable else 1 << 30)
-        self.place_segment = place_segment or (lambda size: next(bump))
+        self._next_address = 1 << 40
+        self.place_segment = place_segment or self._above_the_last
+
+    def _above_the_last(self, size: int) -> int:
+        """A new segment's address where the run does not say: above the last one, on a 1 GiB boundary
+        (no two segments overlap, whatever their size: a block is known by its stream, size and address)."""
+        address = self._next_address
+        self._next_address += -(-size // (1 << 30)) * (1 << 30)
+        return address
 
     # --- malloc --------------------------------------------------------------------------------------
     def malloc(self, requested: int, stream: int = 0) -> Block:
