@@ -22,7 +22,7 @@ import torch
 
 from zerolens.measure.allocator import AllocatorReadings, still_referenced_wrappers
 from zerolens.measure.census import MeasurementError, count, storage_bytes, storage_keys
-from zerolens.measure.tracker import reset_tracker_peak, tracked_step, tracker_total
+from zerolens.measure.tracker import tracked_phase, tracked_step
 
 
 class MemoryProbe:
@@ -134,9 +134,8 @@ class MemoryProbe:
             with self.allocator.phase(name, into, detailed):
                 yield
         elif detailed and self.tracker is not None:
-            reset_tracker_peak(self.tracker)
-            yield
-            into[f"peak_during_{name}"] = tracker_total(self.tracker, "peak")
+            with tracked_phase(self.tracker, name, into):
+                yield
         else:
             yield
 

@@ -72,10 +72,9 @@ class StepTimer:
             if self.tracker is None:
                 yield
                 return
-            from zerolens.measure.tracker import reset_tracker_peak, tracker_total
-            reset_tracker_peak(self.tracker)
-            yield
-            self.tracked[f"peak_during_{name}"] = tracker_total(self.tracker, "peak")
+            from zerolens.measure.tracker import tracked_phase
+            with tracked_phase(self.tracker, name, self.tracked):
+                yield
             return
         self.highest = max(self.highest, torch.cuda.max_memory_allocated())
         self.highest_reserved = max(self.highest_reserved, torch.cuda.max_memory_reserved())

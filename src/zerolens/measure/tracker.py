@@ -53,6 +53,15 @@ def tracker_total(tracker, kind: str) -> int:
     return sum(int(d.get("Total", 0)) for d in tracker.get_tracker_snapshot(kind).values())
 
 
+@contextlib.contextmanager
+def tracked_phase(tracker, name: str, into: dict):
+    """The tracker's peak over the block, counted from what is held at its start, into
+    `into["peak_during_<name>"]` (verify's and bench's CPU phases)."""
+    reset_tracker_peak(tracker)
+    yield
+    into[f"peak_during_{name}"] = tracker_total(tracker, "peak")
+
+
 def reset_tracker_peak(tracker) -> None:
     if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
         raise MeasurementError("this torch's MemTracker keeps its peak elsewhere; zerolens cannot read per-phase "
