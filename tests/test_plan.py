@@ -159,3 +159,29 @@ def test_plan_offers_no_flag_of_a_training_run_alone(cli):
     assert "--micro-batches" in text and "--check" in text
     refused = cli("plan", "--gpu-memory", "80GiB", "--steps", "3")
     assert refused.returncode == 2 and "unrecognized arguments: --steps 3" in refused.stderr
+
+
+@pytest.mark.parametrize("need", [
+    lambda d: 1000 + 37 * d,  # linear, as a layer's weights and activations are
+    lambda d: 1000 + 37 * d + d * d // 3,  # convex
+    lambda d: 1000 + 37 * d - (d % 3) * 20,  # bumpy, yet growing over every three layers
+    lambda d: 5 + d,  # hardly grows: the cap
+])
+@pytest.mark.parametrize("memory", [900, 1040, 1500, 3333, 20000])
+def test_the_depth_search_finds_what_trying_every_depth_finds(need, memory):
+    """plan's depth search against trying every depth: the deepest that fits, one layer more does not
+    (or the cap, 64 here). Where the need is linear it takes at most five trials (four, but where the
+    line reaches past 16 times the deepest depth tried)."""
+    tried = []
+
+    def traced(depth):
+        tried.append(depth)
+        return need(depth)
+    found = plan.deepest_fitting(traced, memory, 64)
+    fitting = [d for d in range(1, 65) if need(d) <= memory and all(need(e) <= memory for e in range(1, d))]
+    assert found == max(fitting, default=0)
+    assert len(tried) == len(set(tried))
+    if found:
+        assert found in tried and (found == 64 or found + 1 in tried)
+    if need(7) == 1000 + 37 * 7 and found < 64:
+        assert len(tried) <= 5, tried

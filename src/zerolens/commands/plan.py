@@ -119,16 +119,14 @@ def with_depth(config: RunConfig, depth: int) -> RunConfig:
 def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int], *, predict=None,
                   progress=None) -> dict:
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
-    strategy, searched as `zerolens maxsize` searches by training (maxsize.largest_fitting_depth),
-    with a prediction in place of each trial (`traced`: every depth predicted and its need).
+    strategy (deepest_fitting; `traced`: every depth predicted and its need).
     `predict(config, cuda_capability)`: where each trial is predicted (predicted_peak, or a pool's
     worker); `progress(line)` hears of each trial."""
-    from zerolens.commands.maxsize import largest_fitting_depth, max_fitting
     traced: dict[int, int] = {}
     why_not = []
     name = config.strategies[0]
 
-    def trial(depth: int) -> int | None:
+    def need(depth: int) -> int | None:
         predicted = (predict or predicted_peak)(with_depth(config, depth), cuda_capability)
         if "why_not" in predicted:
             why_not.append(predicted["why_not"])
@@ -138,13 +136,61 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
             progress(f"{name}: {depth} layer{'' if depth == 1 else 's'} need{'s' if depth == 1 else ''} "
                      f"{traced[depth] / GiB:.3f} GiB"
                      + ("" if traced[depth] <= memory else ", more than the memory"))
-        return traced[depth] if traced[depth] <= memory else None
+        return traced[depth]
 
-    depth = max_fitting(largest_fitting_depth(trial, lambda: memory, max_depth=MAX_DEPTH))
+    depth = deepest_fitting(need, memory, MAX_DEPTH)
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
     return {"max_depth": depth, "params": params, "needs_bytes": traced.get(depth),
             "next_needs_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
             **({"why_not": why_not[0]} if why_not else {})}
+
+
+def deepest_fitting(need, memory: int, max_depth: int) -> int:
+    """The deepest depth up to `max_depth` whose `need(depth)` is within `memory`; 0 where one layer does
+    not fit or a need is not known (None). Needs are taken to grow with depth, as a bisection takes them.
+    Each trial's need is known whether it fits or not, and grows about linearly with depth, so the next
+    depth tried is the deepest the line through the two trials nearest the boundary says fits (at
+    least one layer from each end of the bracket), and the middle of the bracket where the last trial
+    did not halve it. The answer was seen to fit, and one layer more not to (or is the cap). A trial
+    costs more the deeper it is: the line keeps them near the boundary (about four for a linear need),
+    where maxsize's bracketing, whose failed trials have no figure, cannot."""
+    needs: dict[int, int] = {}
+
+    def fits(depth: int) -> bool | None:
+        if depth not in needs:
+            value = need(depth)
+            if value is None:
+                return None
+            needs[depth] = value
+        return needs[depth] <= memory
+
+    first = fits(1)
+    if not first:
+        return 0
+    lo, hi = 1, max_depth + 1  # lo fits; hi does not, or is past the cap (not tried)
+    trial, halved = 2, True
+    while hi - lo > 1:
+        trial = min(max(trial, lo + 1), hi - 1)
+        before = hi - lo
+        result = fits(trial)
+        if result is None:
+            return 0
+        if result:
+            lo = trial
+        else:
+            hi = trial
+        halved = hi - lo <= before / 2
+        if hi <= max_depth and not halved:
+            trial = (lo + hi) // 2
+            continue
+        # The line through the two trials nearest the boundary: lo and hi where hi was tried, else
+        # the two deepest that fit.
+        a, b = (lo, hi) if hi in needs else (max(d for d in needs if d < lo) if len(needs) > 1 else lo, lo)
+        slope = (needs[b] - needs[a]) / (b - a) if b != a else 0
+        guess = lo + int((memory - needs[lo]) // slope) if slope > 0 else 2 * lo
+        # Beyond every trial the line is an extrapolation: at most 16 times the deepest seen to fit
+        trial = guess if hi in needs else min(guess, 16 * lo)
+    return lo
 
 
 def checkpointing_options(config: RunConfig) -> tuple[bool, ...]:
