@@ -168,7 +168,7 @@ def deepest_fitting(need, memory: int, max_depth: int) -> int:
     if not first:
         return 0
     lo, hi = 1, max_depth + 1  # lo fits; hi does not, or is past the cap (not tried)
-    trial, halved = 2, True
+    trial = 2
     while hi - lo > 1:
         trial = min(max(trial, lo + 1), hi - 1)
         before = hi - lo
@@ -179,8 +179,7 @@ def deepest_fitting(need, memory: int, max_depth: int) -> int:
             lo = trial
         else:
             hi = trial
-        halved = hi - lo <= before / 2
-        if hi <= max_depth and not halved:
+        if hi <= max_depth and hi - lo > before / 2:  # the bracket did not halve
             trial = (lo + hi) // 2
             continue
         # The line through the two trials nearest the boundary: lo and hi where hi was tried, else

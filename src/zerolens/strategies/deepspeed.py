@@ -403,7 +403,7 @@ class DeepSpeedStepModel(Strategy):
 
     Under ZeRO-1/2 ranks differ only in their gradient buffer (its size, and the reduction that
     makes it), the norm's fp32 copies of their slice's pieces and the last rank's padding. The
-    trace of one rank stands for all (predict/peak.py, spliced_requests): those allocations are made
+    trace of one rank stands for all (predict/peak.py, spliced_ranks): those allocations are made
     inside `rank_own` brackets, which `mark` records in the allocation sequence, and `rank_requests`
     says what any rank allocates and frees in each.
     """
