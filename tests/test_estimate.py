@@ -44,6 +44,7 @@ def test_user_model_is_built_on_the_meta_device(capsys):
     assert result["params"] == 3 * (4096 * 4096 + 4096)
 
 
+@pytest.mark.slow  # every strategy's trace through the command
 def test_table_output_labels_units(cli):
     result = cli("estimate", "--nproc", "2")
     assert result.returncode == 0
