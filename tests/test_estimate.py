@@ -177,3 +177,22 @@ def test_what_each_rank_needs_from_the_allocator_is_given(capsys, monkeypatch):
     table = " ".join(capsys.readouterr().out.split())
     assert "release_lock_on_cudamalloc:True not modelled" in table and "max_split_size_mb" not in table
     assert f"{(caps['PYTORCH_CUDA_ALLOC_CONF'] + rank['outside_allocator_bytes']) / 2**20:.2f}" in table.replace(",", "")
+
+
+def test_a_rank_the_allocator_model_did_not_replay_says_so(capsys, monkeypatch):
+    """Past ALLOCATOR_REPLAYS distinct rank sequences (ZeRO-2 at many ranks), a rank without allocator figures
+    says why, in the JSON and under the table; the others keep theirs."""
+    monkeypatch.setattr("zerolens.predict.peak.ALLOCATOR_REPLAYS", 1)
+    args = ["--preset", "gpt-tiny", "--nproc", "7", "--strategies", "zero2", "--reduce-bucket-size", "2e4",
+            "--micro-batch", "2"]
+    ranks = run_json(capsys, *args)["strategies"]["zero2"]["ranks"]
+    without = [r for r in ranks if "min_allocator_cap_bytes" not in r]
+    assert without and len(without) < len(ranks)
+    assert all("allocator model replayed the 1 with the highest" in r["allocator_not_replayed"] for r in without)
+    assert main(["estimate", *args]) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    shown_without = [r["rank"] for r in without if r["rank"] in (0, max(ranks, key=lambda r: (
+        r["grad_bytes_after_backward"], -r["rank"]))["rank"])]
+    assert shown_without  # the table shows rank 0 and the rank holding the most gradients
+    for rank in shown_without:
+        assert f'No "needs" for zero2 rank {rank}: the 7 ranks make' in table

@@ -188,7 +188,9 @@ def render_estimate(result: dict) -> list:
         terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak",
                         *(["needs"] if cuda else []), "paper", f"paper {paper_label}", "DS est."], rows,
                        right=set(range(1, 13 if cuda else 12))),
-        *(f"No peak for {line}." for line in not_predicted)]
+        *(f"No peak for {line}." for line in not_predicted),
+        *(f"No \"needs\" for {name} rank {r['rank']}: {r['allocator_not_replayed']}." for name, _, r in shown
+          if "allocator_not_replayed" in r)]
 
 
 def needs(rank: dict, setting: str) -> int | None:

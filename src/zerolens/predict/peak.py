@@ -480,8 +480,8 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
             requests, step_model.rank_requests(r), tracked_bytes))) for r in replayed}
         for rank, content in enumerate(contents):
             ranks[rank] |= needs.get(content) or {"allocator_not_replayed": (
-                f"{len(first_with)} ranks allocate in distinct orders; the allocator model replayed the "
-                f"{ALLOCATOR_REPLAYS} with the highest allocated peaks")}
+                f"the {settings.world_size} ranks make {len(first_with)} distinct allocation sequences, and the "
+                f"allocator model replayed the {ALLOCATOR_REPLAYS} with the highest allocated peaks, not this rank's")}
     return ranks
 
 
