@@ -183,6 +183,7 @@ def render_estimate(result: dict) -> list:
         "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
         "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest allocated in a "
         f"training step, activations and temporaries included, for {result['micro_batch']} samples per rank "
+        "in one micro-batch per optimizer step (gradient accumulation is not modelled) "
         f"{where}{needs_text}. The ZeRO paper's model states also in {paper_words} (--json: every rank "
         "and figure).",
         terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak",

@@ -346,7 +346,8 @@ def render_plan(result: dict, top: int) -> list:
     setting = result["allocator_setting"].replace("_", " ")
     lines = [f"zerolens plan: {result['model']} ({count(result['params'])} parameters), {result['world_size']} "
              f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU (CUDA, compute capability "
-             f"{result['cuda_capability']}), the {setting} allocator"]
+             f"{result['cuda_capability']}), the {setting} allocator; one micro-batch per optimizer step "
+             "(gradient accumulation is not modelled)"]
     fits = result["fits"]
     if fits:
         shown = fits[:top]
