@@ -183,6 +183,7 @@ def test_a_rank_the_allocator_model_did_not_replay_says_so(capsys, monkeypatch):
     """Past ALLOCATOR_REPLAYS distinct rank sequences (ZeRO-2 at many ranks), a rank without allocator figures
     says why, in the JSON and under the table; the others keep theirs."""
     monkeypatch.setattr("zerolens.predict.peak.ALLOCATOR_REPLAYS", 1)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     args = ["--preset", "gpt-tiny", "--nproc", "7", "--strategies", "zero2", "--reduce-bucket-size", "2e4",
             "--micro-batch", "2"]
     ranks = run_json(capsys, *args)["strategies"]["zero2"]["ranks"]
@@ -196,3 +197,23 @@ def test_a_rank_the_allocator_model_did_not_replay_says_so(capsys, monkeypatch):
     assert shown_without  # the table shows rank 0 and the rank holding the most gradients
     for rank in shown_without:
         assert f'No "needs" for zero2 rank {rank}: the 7 ranks make' in table
+    # ... and the rank that needs the most, where the question is whether the job fits
+    neediest = max((r for r in ranks if "min_allocator_cap_bytes" in r),
+                   key=lambda r: (r["min_allocator_cap_bytes"]["default"], -r["rank"]))
+    assert f"zero2 {neediest['rank']} " in table and "the rank that needs the most" in table
+
+
+def test_the_table_shows_the_rank_that_needs_the_most(capsys, monkeypatch):
+    """Beside rank 0 and the rank holding the most gradients, the table shows the rank whose need (smallest
+    cap plus what is outside the allocator) is the highest: whether a job fits is that rank's question."""
+    from zerolens.commands.estimate import render_estimate
+    from zerolens.report.tables import say
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    result = run_json(capsys, "--preset", "gpt-tiny", "--nproc", "4", "--strategies", "zero2", "--micro-batch", "2")
+    ranks = result["strategies"]["zero2"]["ranks"]
+    largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))["rank"]
+    other = next(r for r in ranks if r["rank"] not in (0, largest))
+    other["min_allocator_cap_bytes"]["default"] = max(r["min_allocator_cap_bytes"]["default"] for r in ranks) + 2**20
+    say(*render_estimate(result))
+    rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("zero2 ")]
+    assert rows == [["zero2", "0"], ["zero2", str(largest)], ["zero2", str(other["rank"])]]

@@ -156,15 +156,22 @@ def render_estimate(result: dict) -> list:
             "Activations are not included.",
             terminal_table(["strategy", "params", "grads", "optimizer", "buffers", "kept total", "paper",
                             f"paper {paper_label}", "DeepSpeed"], rows, right=set(range(1, 9)))]
-    shown = []
-    for name, e in entries.items():
-        ranks = e["ranks"]
-        largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))
-        shown += [(name, e, r) for r in [ranks[0]] + ([largest] if largest is not ranks[0] else [])]
     keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
             "transient_reduce_bucket_bytes", "retained_total_bytes")
     cuda = result["device"] == "cuda"
     setting, unmodelled = allocator_setting()
+    shown = []
+    for name, e in entries.items():
+        ranks = e["ranks"]
+        largest = max(ranks, key=lambda r: (r["grad_bytes_after_backward"], -r["rank"]))
+        # On CUDA, whether the job fits is the neediest rank's question
+        needy = [r for r in ranks if needs(r, setting) is not None] if cuda else []
+        neediest = max(needy, key=lambda r: (needs(r, setting), -r["rank"])) if needy else ranks[0]
+        picked = [ranks[0]]
+        for r in (largest, neediest):
+            if all(r is not p for p in picked):
+                picked.append(r)
+        shown += [(name, e, r) for r in picked]
     unit, label = unit_for([r[k] for _, _, r in shown for k in keys] + [r.get("peak_bytes") for _, _, r in shown]
                            + [e["paper_model_states_bytes"] for e in entries.values()])
     rows = [[name, r["rank"], *(in_unit(r[k], unit, 2) for k in keys), in_unit(r.get("peak_bytes"), unit, 2),
@@ -179,8 +186,9 @@ def render_estimate(result: dict) -> list:
                   f"process holds outside it ({outside_allocator_source()})" if cuda else "")
     not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
     return lines + [
-        f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0 and "
-        "the rank holding the most gradients; gradients right after backward; \"bucket\": the reduce bucket "
+        f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0, "
+        f"the rank holding the most gradients{' and the rank that needs the most' if cuda else ''}; gradients "
+        "right after backward; \"bucket\": the reduce bucket "
         "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest allocated in a "
         f"training step, activations and temporaries included, for {result['micro_batch']} samples per rank "
         "in one micro-batch per optimizer step (gradient accumulation is not modelled) "
