@@ -41,8 +41,8 @@ def test_what_the_step_model_keeps_after_the_step_is_the_layout_theorys(name, wo
 def test_a_billion_parameters_cost_no_memory():
     """gpt-1b (0.94B parameters: 3.5 GiB in fp32 alone) traced as rank 7 of 8 under ZeRO-2: the process's
     resident memory grows by less than 256 MiB over the trace (Linux's high-water mark, reset before
-    it), and the backward peak holds at least what the rank keeps between steps plus the fp32 logits
-    the loss makes (micro-batch x sequence x vocabulary x 4 bytes)."""
+    it), and the backward peak holds at least the rank's weights and optimizer states plus the fp32
+    logits the loss makes (micro-batch x sequence x vocabulary x 4 bytes)."""
     import re
     from pathlib import Path
 
