@@ -448,13 +448,11 @@ class DeepSpeedStepModel(Strategy):
                 self.master = flat[part.start:part.start + part.partition_elements].clone().float()
                 self.opt = torch_adamw([self.master], self.settings, self.cuda)
                 self.numels = numels
+                self.offsets = offsets = flat_offsets(tuple(numels))  # each parameter's place in the flat buffer
                 self.param_index = {id(p): i for i, p in enumerate(params)}
                 self.in_partition = [params[i] for i in part.overlapping_params]
                 self.in_partition_ids = {id(p) for p in self.in_partition}
-                offsets = flat_offsets(tuple(numels))
                 self.first_param_offset = offsets[part.overlapping_params[0]] if part.overlapping_params else 0
-                # Each parameter's place in the flat buffer, for the slices each rank reduces.
-                self.flat_offset = {id(p): offsets[i] for i, p in enumerate(params)}
         self.module = model
         self.grads_in_partition = None
         self.bucket = None
@@ -573,7 +571,7 @@ class DeepSpeedStepModel(Strategy):
         size = self.partition.partition_elements
         runs: list[list[int]] = []  # [rank, elements]
         for p in self.pending:
-            start = self.flat_offset[id(p)]
+            start = self.offsets[self.param_index[id(p)]]  # its place in the flat buffer
             for rank in range(start // size, (start + p.numel() - 1) // size + 1):
                 piece = min(start + p.numel(), (rank + 1) * size) - max(start, rank * size)
                 if runs and runs[-1][0] == rank:
@@ -652,12 +650,12 @@ class DeepSpeedStepModel(Strategy):
         """What rank `rank` allocates and frees inside each `rank_own` bracket, as a function of the
         bracket's label and payload and a dict it keeps between brackets: a list of (action, name, bytes),
         a name alive once at a time. The same statements as the brackets' own, sized for that rank."""
-        from zerolens.strategies.layout import flat_offsets, zero_rank_partition
+        from zerolens.strategies.layout import zero_rank_partition
         part = zero_rank_partition(self.numels, self.settings.world_size, rank)
         size = self.dtype.itemsize
         overlapping = set(part.overlapping_params)
         first = part.overlapping_params[0] if part.overlapping_params else 0
-        lead = part.start - flat_offsets(tuple(self.numels))[first]
+        lead = part.start - self.offsets[first]
         inside = part.partition_elements - part.padding_elements
         pieces, offset = [], 0
         for i in part.overlapping_params:
