@@ -123,3 +123,17 @@ def test_an_interrupted_plan_ends_its_tracing_processes(tmp_path, sig, code):
     assert "Traceback" not in text, text
     assert took < 15, took
     assert_all_ended(started)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc")
+def test_a_killed_verify_leaves_no_rank_running(tmp_path):
+    """SIGKILL (or the out-of-memory killer) gives zerolens no chance to stop its ranks: they end on
+    their own when it does, and the fork server, which they held open, with them."""
+    out, stderr = tmp_path / "run", tmp_path / "stderr.txt"
+    process = start("verify", "--strategies", "ddp,zero2", "--steps", "2000", "--out", str(out), out=stderr)
+    wait_for(lambda: "of ddp at step" in heartbeat(out), "ddp's training", process)
+    started = descendants(process.pid)
+    assert started, "zerolens had started no process"
+    process.kill()
+    process.wait()
+    assert_all_ended(started)

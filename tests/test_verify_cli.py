@@ -1,5 +1,7 @@
 """`zerolens verify` end to end through the CLI, on 2 CPU processes (gloo)."""
 import json
+import time
+from pathlib import Path
 
 import pytest
 from conftest import zerolens
@@ -13,14 +15,19 @@ from zerolens.strategies.layout import zero_partition_layout
 @pytest.fixture(scope="module")
 def verify_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "verify"
+    shared_before = deepspeed_shared_memory()
     result = zerolens("verify", "--out", str(out), timeout=400)
-    return result, out
+    return result, out, shared_before
+
+
+def deepspeed_shared_memory() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
 def test_default_verify_passes_and_prints_one_table(verify_run):
-    result, out = verify_run
+    result, out, _ = verify_run
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Verdict: PASS" in result.stdout
     assert result.stdout.count("Memory per rank") == 1  # rank 0 alone prints
@@ -34,7 +41,7 @@ def test_default_verify_passes_and_prints_one_table(verify_run):
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
 def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
-    _, out = verify_run
+    _, out, _ = verify_run
     for name in ("config.json", "env.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md",
                  "summary.json", "memory.png", "loss.png"):
         assert (out / name).is_file(), name
@@ -62,8 +69,23 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="POSIX shared memory is not under /dev/shm here")
+def test_deepspeed_cpu_ranks_leave_no_shared_memory_behind(verify_run):
+    """DeepSpeed's CPU collective op leaves a 66 MiB buffer per rank in /dev/shm (RAM) at every run
+    unless the ranks unlink it: a test suite filled 21 GiB. Another test's run may hold its buffers
+    for a moment; a left-behind one stays."""
+    result, _, before = verify_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    deadline = time.monotonic() + 30
+    while (left := deepspeed_shared_memory() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
 def test_zero2_gradients_are_the_predicted_partition(verify_run):
-    _, out = verify_run
+    _, out, _ = verify_run
     summary = json.loads((out / "summary.json").read_text())
     numels = [p.numel() for p in build_model(ModelConfig(), 0).parameters()]
     layout = zero_partition_layout(numels, 2)
@@ -77,7 +99,7 @@ def test_zero2_gradients_are_the_predicted_partition(verify_run):
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
 def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
-    _, out = verify_run
+    _, out, _ = verify_run
     summary = json.loads((out / "summary.json").read_text())
     base = summary["strategies"]["zero0"]["losses"]
     zero2 = summary["strategies"]["zero2"]["losses"]
@@ -94,7 +116,7 @@ def test_loss_falls_and_zero2_matches_the_baseline(verify_run):
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
 def test_existing_run_folder_is_not_overwritten(verify_run, cli):
-    _, out = verify_run
+    _, out, _ = verify_run
     result = cli("verify", "--out", str(out))
     assert result.returncode == 2
     assert "already exists" in result.stderr
@@ -144,7 +166,7 @@ def test_worker_runs_unchanged_under_torchrun(tmp_path):
 @pytest.mark.slow
 @pytest.mark.xdist_group("verify_run")
 def test_summary_carries_predictions_and_the_bucket_advice(verify_run):
-    _, out = verify_run
+    _, out, _ = verify_run
     summary = json.loads((out / "summary.json").read_text())
     for name, s in summary["strategies"].items():
         for rank in s["ranks"]:

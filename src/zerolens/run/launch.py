@@ -39,6 +39,7 @@ class WorkersFailed(RuntimeError):
 
 
 OUT_OF_MEMORY = "ran out of GPU memory"  # a rank's message (worker.py); what `zerolens maxsize` looks for
+LAUNCHER_PID = "ZEROLENS_LAUNCHER_PID"  # the process that launched the ranks: they end when it does
 
 
 def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_args: list[str], verbose: bool = False,
@@ -104,6 +105,9 @@ def start_workers_server(entrypoint: Callable[[list[str]], None], backend: str, 
     imports (the entrypoint's module, `preload`, torch._dynamo, which every optimizer step imports), so
     that it can import them while this process does something else (a CPU run's peak prediction,
     jobs.py). At most once per process: later calls find it running."""
+    # Read by every rank (worker.ended_with_launcher); set before the fork server starts, whose environment
+    # its ranks inherit. Constant for the process, like the fork server.
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     method = start_method(backend)
     if method == "forkserver":
         from multiprocessing import forkserver

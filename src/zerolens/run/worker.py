@@ -16,10 +16,13 @@ import logging
 import os
 import platform
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -42,7 +45,7 @@ from zerolens.run.config import RunConfig, load_config, save_config
 from zerolens.run.faults import fault_from_environment, leaked_bytes
 from zerolens.run.flags import add_bench_arguments, add_verify_arguments, config_from_args
 from zerolens.run.folder import default_run_folder, is_run_folder, new_run_folder, results_path
-from zerolens.run.launch import OUT_OF_MEMORY
+from zerolens.run.launch import LAUNCHER_PID, OUT_OF_MEMORY
 from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
 from zerolens.run.train import Phase, train
 from zerolens.strategies import make_strategy, registry
@@ -106,7 +109,27 @@ def init_distributed(config: RunConfig, local_rank: int) -> torch.device:
         quiet = contextlib.nullcontext() if config.verbose else contextlib.redirect_stdout(io.StringIO())
         with quiet:
             deepspeed.init_distributed(dist_backend=dist.get_backend())
+        if device.type == "cpu":
+            unlink_shared_memory_name()
     return device
+
+
+def deepspeed_shared_memory_name(rank: int) -> Path:
+    """Where DeepSpeed's CPU collective op (csrc/cpu/comm/shm.cpp, shm_initialize) puts this run's
+    buffer for `rank`: a 66 MiB POSIX shared-memory object named by user, MASTER_ADDR and MASTER_PORT."""
+    return Path("/dev/shm") / "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank)
+
+
+def unlink_shared_memory_name() -> None:
+    """DeepSpeed never unlinks its CPU ranks' shared-memory buffers (shared_close is never called),
+    so each CPU run would leave 66 MiB per rank in /dev/shm, which is RAM, until the machine restarts:
+    a test suite or a sweep fills the memory. Every rank has mapped every buffer when its
+    init_distributed returns (shm_initialize opens them all), so after a barrier each rank removes the
+    name of its own: the mappings live on until the ranks end, and a crash after this leaves nothing."""
+    dist.barrier()
+    with contextlib.suppress(FileNotFoundError):  # DeepSpeed uses the op only when all ranks are local
+        deepspeed_shared_memory_name(dist.get_rank()).unlink()
 
 
 def versions() -> dict:
@@ -370,12 +393,40 @@ def launched_rank(argv: list[str]) -> None:
     multiprocessing; torch's launcher records its error as @record does, and reads its exit code."""
     with contextlib.suppress(OSError):
         os.setsid()  # a process group of its own, as torch's launcher gives a spawned binary: launch.rank_pids
+    if os.environ.get(LAUNCHER_PID, "").isdigit():
+        ended_with_launcher(int(os.environ[LAUNCHER_PID]))
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         # A forked rank's OpenMP read the fork server's setting; the launch sets this run's (jobs.py).
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     code = run_rank(argv)
     if code:
         sys.exit(code)
+
+
+def ended_with_launcher(launcher: int) -> None:
+    """Kills this rank when the process that launched it ends. A launcher killed outright (SIGKILL, the
+    kernel's out-of-memory killer) stops no rank: they wait forever in a collective or on its store,
+    and the fork server, which holds a pipe open for them, waits with them."""
+    def watch():
+        try:
+            launcher_fd = os.pidfd_open(launcher)  # readable once the launcher has exited (Linux)
+            select.select([launcher_fd], [], [])
+        except (AttributeError, OSError):  # no pidfd here, or the launcher is already gone
+            while _alive(launcher):
+                time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zerolens-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # a PermissionError would be a live process of another user's
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def run_rank(argv: list[str] | None) -> int:
