@@ -41,6 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def remove_deepspeed_shared_memory(port: int) -> None:
+    """What DeepSpeed's CPU collective op leaves behind for the ranks that met on `port`: a 66 MiB
+    shared-memory buffer per rank (RAM) that it never unlinks. zerolens's own ranks unlink theirs
+    (run.worker.unlink_shared_memory_name); ranks that tests start otherwise do not."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def run(cmd: list[str], *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
     """A subprocess with a timeout; a hang fails the test instead of stalling the suite."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, remove_deepspeed_shared_memory
 
 
 def _entry(fn, rank, world_size, port, folder, args):
@@ -63,9 +63,7 @@ def spawn(fn, *args, world_size: int = 2, timeout: float = 240) -> list:
                 if p.is_alive():
                     p.kill()
                 p.join()
-            # DeepSpeed's CPU collective op leaves a 66 MiB shared-memory buffer per rank (RAM) behind.
-            for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{free_port_once(folder)}_*"):
-                path.unlink(missing_ok=True)
+            remove_deepspeed_shared_memory(free_port_once(folder))
         finished = [Path(folder, f"{r}.pkl").exists() for r in range(world_size)]
         torn_down = [Path(folder, f"{r}.done").exists() for r in range(world_size)]
         errors = [Path(folder, f"{r}.err") for r in range(world_size)]

@@ -4,7 +4,7 @@ import re
 import sys
 
 import pytest
-from conftest import REPO, free_port, run
+from conftest import REPO, free_port, remove_deepspeed_shared_memory, run
 
 
 @pytest.mark.slow
@@ -13,8 +13,12 @@ from conftest import REPO, free_port, run
 def test_case_study_script_prints_true_gradient_memory(mode, steps):
     # The `deepspeed` command of this interpreter's DeepSpeed, not whichever is first on PATH. Run
     # more than once: it must exit 0 every time, not only most times.
-    result = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus=2", f"--master_port={free_port()}",
-                  str(REPO / "examples" / "train_zero_stage2.py"), mode, "--steps", str(steps)], timeout=240)
+    port = free_port()
+    try:
+        result = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus=2", f"--master_port={port}",
+                      str(REPO / "examples" / "train_zero_stage2.py"), mode, "--steps", str(steps)], timeout=240)
+    finally:
+        remove_deepspeed_shared_memory(port)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "terminate called" not in result.stdout + result.stderr
     lines = re.findall(r"^step=(\d+) loss=([\d.]+) grad_mem_rank0=([\d.]+)MB", result.stdout, re.M)
