@@ -107,7 +107,7 @@ def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_
     ("[1, 2]", "must hold a JSON object"),
     ('{"train_batch_size": 10}', "train_batch_size 10 != train_micro_batch_size_per_gpu 8 x 2 ranks x "
                                  "gradient_accumulation_steps 1 = 16"),
-    ('{"gradient_accumulation_steps": 2}', "zerolens steps without accumulation"),
+    ('{"gradient_accumulation_steps": 2}', "the run accumulates 1 micro-batches per step: pass --grad-accum 2"),
     ('{"train_micro_batch_size_per_gpu": 4}', "pass --micro-batch 4"),
     ('{"fp16": {"enabled": true}}', "enables fp16 but the run's precision is bf16"),
     # DeepSpeed itself passes over a top-level key it does not know: a misspelt section would leave the run
@@ -153,3 +153,17 @@ def test_a_deepspeed_config_without_a_deepspeed_strategy_is_refused(cli, tmp_pat
 def test_unreadable_config_file(cli, tmp_path):
     result = cli("verify", "--ds-config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "cannot read it" in result.stderr
+
+
+def test_a_users_gradient_accumulation_agrees_with_the_runs(cli, tmp_path):
+    """--grad-accum is what the run does; a config that says otherwise is refused, one that agrees or
+    says "auto" is taken, and the DeepSpeed config zerolens writes carries it into the batch arithmetic."""
+    from zerolens.strategies.base import TrainSettings
+    from zerolens.strategies.deepspeed import DeepSpeedZero
+    path = tmp_path / "ds.json"
+    path.write_text('{"gradient_accumulation_steps": 4, "train_batch_size": 64}')
+    result = cli("verify", "--ds-config", str(path), "--grad-accum", "2", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "pass --grad-accum 4" in result.stderr, result.stderr
+    settings = TrainSettings(precision="bf16", micro_batch=8, world_size=2, grad_accum=4)
+    config = DeepSpeedZero(settings, stage=2).ds_config()
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 64)

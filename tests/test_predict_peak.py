@@ -71,6 +71,25 @@ def test_a_run_of_one_step_is_predicted_over_one_step():
     assert one["peak_during_forward"] < three["peak_during_forward"]
 
 
+def test_gradient_accumulation_holds_the_gradients_through_the_next_micro_batchs_forward():
+    """DDP under no_sync, two micro-batches per step: the second forward runs beside the first's
+    fp32 gradients (every parameter's, 4 bytes each), the step's peak is the same. DeepSpeed's
+    micro-batches before the boundary are not modelled, and its strategies say so."""
+    import dataclasses
+
+    from zerolens.models.model import build_model
+    from zerolens.predict.peak import why_not_traced
+    one = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    two = dataclasses.replace(one, grad_accum=2)
+    plain, accumulated = (predict_peaks("ddp", PRESETS["gpt-tiny"], s) for s in (one, two))
+    gradients = 4 * sum(p.numel() for p in build_model(PRESETS["gpt-tiny"], 0).parameters())
+    assert accumulated["peak_during_forward"] - plain["peak_during_forward"] == gradients
+    assert accumulated["peak_during_step"] == plain["peak_during_step"]
+    for name in ("zero0", "zero1", "zero2", "zero3"):
+        assert "gradient_accumulation_steps: 2" in why_not_traced(name, PRESETS["gpt-tiny"], two)
+        assert why_not_traced(name, PRESETS["gpt-tiny"], one) is None
+
+
 def test_a_cpu_target_holds_gloos_copy_of_each_reduce_scatter_input(unrounded):
     """gloo reduces a copy of a reduce-scatter's input (FSDP2's backward), NCCL does not: the CPU
     prediction makes the copy, the CUDA one does not, and the largest is said for the CPU check:

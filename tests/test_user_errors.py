@@ -103,6 +103,9 @@ def test_bad_timeout_and_fault_variable(cli, tmp_path):
     (["sweep", "--reduce-bucket-sizes", "1e6,inf"], "--reduce-bucket-sizes takes finite numbers"),
     (["sweep", "--reduce-bucket-size", "inf"], "--reduce-bucket-size takes finite numbers"),
     (["verify", "--global-batch", "0"], "--global-batch must be at least 1, got 0"),
+    (["verify", "--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+    (["bench", "--global-batch", "20", "--grad-accum", "4"],
+     "--global-batch 20 is not divisible by 2 processes x 4 accumulated micro-batches"),
     (["bench", "--steps", "0"], "--steps (timed steps) must be at least 1, got 0"),
 ])
 def test_every_setting_is_checked_before_any_worker_starts(argv, message, tmp_path, capsys):

@@ -48,11 +48,12 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
              param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None,
              model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None,
              fused_adam: bool = False, gradient_clipping: float = 1.0, weight_bytes: int = 4,
-             trainable: list[bool] | None = None) -> dict:
+             trainable: list[bool] | None = None, grad_accum: int = 1) -> dict:
     """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
     rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
     With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
-    (predict/peak.py) for `micro_batch` samples per rank, on CUDA (`cuda_capability`) or the CPU.
+    (predict/peak.py) for `micro_batch` samples per rank, `grad_accum` micro-batches per optimizer step,
+    on CUDA (`cuda_capability`) or the CPU.
     `weight_bytes`: the element size of the weights as the model is built (models.model.weight_bytes);
     `trainable`: which parameters train (models.model.trainable_flags; None: all)."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
@@ -84,11 +85,12 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                 ranks.append(r)
             entry["ranks"] = ranks
             add_peaks(entry, name, model_config, TrainSettings(
-                precision=precision, world_size=world_size, micro_batch=micro_batch,
+                precision=precision, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum,
                 reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam, gradient_clipping=gradient_clipping),
                 cuda_capability)
         out["strategies"][name] = entry
-    out |= {"micro_batch": micro_batch, "device": "cpu" if cuda_capability is None else "cuda",
+    out |= {"micro_batch": micro_batch, "grad_accum": grad_accum,
+            "device": "cpu" if cuda_capability is None else "cuda",
             "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability)),
             # Where the peaks were traced: a CUDA target on fake CUDA tensors where a GPU is visible, else on the CPU.
             "traced_on": traced_on(trace_device(cuda_capability)) if model_config is not None else None}
@@ -191,7 +193,7 @@ def render_estimate(result: dict) -> list:
         "right after backward; \"bucket\": the reduce bucket "
         "allocated in backward; \"kept\": everything held between steps; \"peak\": the highest allocated in a "
         f"training step, activations and temporaries included, for {result['micro_batch']} samples per rank "
-        "in one micro-batch per optimizer step (gradient accumulation is not modelled) "
+        f"{accumulation_words(result.get('grad_accum', 1))} "
         f"{where}{needs_text}. The ZeRO paper's model states also in {paper_words} (--json: every rank "
         "and figure).",
         terminal_table(["strategy", "rank", "params", "grads", "optim", "buffers", "bucket", "kept", "peak",
@@ -231,6 +233,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", metavar="MODULE:FUNCTION",
                    help="with --model: how zerolens makes a batch (as for verify); needed to predict the peaks")
     p.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="gradient accumulation: K micro-batches per optimizer step (default 1; DeepSpeed's peaks "
+                        "are then not predicted)")
     p.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
     p.add_argument("--depth", type=int, default=None,
                    help="override the preset's (or a Hugging Face model's) number of layers")
@@ -258,6 +263,13 @@ def estimate_model(args: argparse.Namespace):
     return model_from_args(args)
 
 
+def accumulation_words(grad_accum: int) -> str:
+    if grad_accum == 1:
+        return "in one micro-batch per optimizer step (--grad-accum for gradient accumulation)"
+    return (f"in each of {grad_accum} micro-batches per optimizer step (gradient accumulation: the peak is the "
+            "highest over them)")
+
+
 def command(args: argparse.Namespace, argv: list[str]) -> int:
     strategies = parse_strategies(args.strategies)
     if args.nproc < 1:
@@ -267,6 +279,8 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
     bucket_elements(args.reduce_bucket_size)
     if args.micro_batch < 1:
         raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
+    if args.grad_accum < 1:
+        raise UserError(f"--grad-accum must be at least 1, got {args.grad_accum}")
     if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing or
                                     any(v is not None for v in (args.width, args.depth, args.heads))):
         raise UserError("--batch/--width/--depth/--heads/--seq-len/--activation-checkpointing need a model "
@@ -297,7 +311,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         started = time.perf_counter()
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
-                          model_config=model_config, micro_batch=args.micro_batch,
+                          model_config=model_config, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                           cuda_capability=target_capability(args.device), fused_adam=args.fused_adam,
                           gradient_clipping=args.gradient_clipping, weight_bytes=weights, trainable=trainable)
     except ValueError as e:  # e.g. a model FSDP2 cannot shard

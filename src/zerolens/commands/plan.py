@@ -347,7 +347,7 @@ def render_plan(result: dict, top: int) -> list:
     lines = [f"zerolens plan: {result['model']} ({count(result['params'])} parameters), {result['world_size']} "
              f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU (CUDA, compute capability "
              f"{result['cuda_capability']}), the {setting} allocator; one micro-batch per optimizer step "
-             "(gradient accumulation is not modelled)"]
+             "(plan does not search gradient accumulation; estimate --grad-accum predicts DDP's and FSDP2's)"]
     fits = result["fits"]
     if fits:
         shown = fits[:top]

@@ -231,7 +231,7 @@ def run_sweep(points: list, out, command: str) -> int:
             continue
         done.append(point_summary(summary, config.reduce_bucket_size, config.out, config.preset,
                                   param_shapes=[tuple(s) for s in parameter_shapes(config.model)],
-                                  global_batch=config.micro_batch * config.nproc))
+                                  global_batch=config.micro_batch * config.nproc * config.grad_accum))
     if not done:
         print("zerolens: every sweep point failed", file=sys.stderr)
         return 1

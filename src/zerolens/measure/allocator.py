@@ -11,6 +11,7 @@ import gc
 import torch
 
 from zerolens.measure import peaks
+from zerolens.measure.census import keep_highest
 
 
 class AllocatorReadings:
@@ -27,8 +28,7 @@ class AllocatorReadings:
         # For the peak anatomy (last step): storage address -> component, taken at each phase
         # boundary and, marked in the trace, during a phase.
         self.boundary_maps: list[dict[int, str]] = []
-        self.during_maps: dict[str, list[dict[int, str]]] = {}
-        self.recording: str | None = None  # the phase whose allocator events are being recorded
+        self.recording: dict | None = None  # the trace of the phase whose allocator events are being recorded
         self.activation_addresses: set[int] = set()
         self.traces: dict[str, dict] = {}
 
@@ -51,7 +51,7 @@ class AllocatorReadings:
 
     def start_detailed_step(self, holdings) -> None:
         """The last step begins: what the strategy holds is the first boundary."""
-        self.traces, self.during_maps = {}, {}
+        self.traces = {}
         self.activation_addresses = set()
         self.boundary_maps = [peaks.address_map(holdings)]
 
@@ -61,9 +61,10 @@ class AllocatorReadings:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         if detailed:
-            self.traces[name], self.during_maps[name], self.recording = {}, [], name
+            # Between the boundary maps `boundary` and `boundary + 1`; `during`: the maps taken inside it.
+            trace = self.recording = {"boundary": len(self.boundary_maps) - 1, "during": []}
             try:
-                with peaks.record_phase(self.device_index, self.traces[name]):
+                with peaks.record_phase(self.device_index, trace):
                     yield
             finally:
                 self.recording = None
@@ -72,13 +73,17 @@ class AllocatorReadings:
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats()
         if detailed:
-            self.traces[name]["allocator_peak"] = stats["allocated_bytes.all.peak"]
+            trace["allocator_peak"] = stats["allocated_bytes.all.peak"]
+            # Under gradient accumulation a phase runs once per micro-batch: the anatomy is the highest one's.
+            if trace["allocator_peak"] >= self.traces.get(name, {}).get("allocator_peak", -1):
+                self.traces[name] = trace
         into |= {f"allocated_after_{name}": stats["allocated_bytes.all.current"],
-                 f"peak_during_{name}": stats["allocated_bytes.all.peak"],
-                 f"active_peak_during_{name}": stats["active_bytes.all.peak"],
                  f"reserved_after_{name}": stats["reserved_bytes.all.current"],
-                 f"reserved_peak_during_{name}": stats["reserved_bytes.all.peak"],
                  "alloc_retries": stats["num_alloc_retries"], "ooms": stats["num_ooms"]}
+        for key, stat in ((f"peak_during_{name}", "allocated_bytes.all.peak"),
+                          (f"active_peak_during_{name}", "active_bytes.all.peak"),
+                          (f"reserved_peak_during_{name}", "reserved_bytes.all.peak")):
+            keep_highest(into, key, stats[stat])
         if name == "step":
             # What the process holds on the GPU beside the allocator's reserve: CUDA's context, cuBLAS's and
             # NCCL's own buffers, loaded kernels. The device's used memory counts every process on it.
@@ -89,12 +94,12 @@ class AllocatorReadings:
         """Last step: which storages the strategy holds now (`holdings`, called only then). Between
         phases it is a boundary (with the activations just saved, after forward); inside a recorded
         phase it is marked in the allocator's trace."""
-        if not self.traces:
+        if not self.boundary_maps:  # not the last step
             return
         held = peaks.address_map(holdings())
         if self.recording:
             peaks.trace_marker(self.device)
-            self.during_maps[self.recording].append(held)
+            self.recording["during"].append(held)
             return
         for addr in self.activation_addresses:
             held.setdefault(addr, "activation")
@@ -103,19 +108,19 @@ class AllocatorReadings:
 
     def note_activations(self, saved: list[torch.Tensor]) -> None:
         """Last step: the storages autograd saved in forward, named at the next boundary."""
-        if self.traces:
+        if self.boundary_maps:
             self.activation_addresses = {t.untyped_storage().data_ptr() for t in saved if t.is_cuda}
 
     def peak_anatomy(self, known_preexisting_bytes: int, backend_code: tuple[str, ...]) -> dict:
         """After the last step: every byte at each phase's peak, by component. Phase i runs from
         boundary map i to boundary map i + 1."""
         out = {}
-        for i, (name, t) in enumerate(self.traces.items()):
+        for name, t in self.traces.items():
             out[name] = peaks.peak_anatomy(
-                t["segments"], t["events"], name, at_start=self.boundary_maps[i], during=self.during_maps[name],
-                at_end=self.boundary_maps[i + 1], known_preexisting_bytes=known_preexisting_bytes,
+                t["segments"], t["events"], name, at_start=self.boundary_maps[t["boundary"]], during=t["during"],
+                at_end=self.boundary_maps[t["boundary"] + 1], known_preexisting_bytes=known_preexisting_bytes,
                 allocator_peak=t["allocator_peak"], backend_code=backend_code)
-        self.traces, self.during_maps, self.boundary_maps = {}, {}, []
+        self.traces, self.boundary_maps = {}, []
         return out
 
     def census_block_rounding(self, holdings) -> int:
@@ -161,3 +166,4 @@ def still_referenced_wrappers() -> list[str]:
     return ["DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
                                                                if r is not alive}))
             for o in alive]
+

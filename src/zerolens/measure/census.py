@@ -77,3 +77,9 @@ def required(obj, name: str):
         raise MeasurementError(
             f"{type(obj).__name__} has no attribute '{name}': this version of {type(obj).__module__.split('.')[0]} "
             "keeps its buffers elsewhere, and zerolens will not guess (see census.py)") from None
+
+
+def keep_highest(into: dict, key: str, value: int) -> None:
+    """A phase's peak into a step's record: under gradient accumulation the phase runs once per
+    micro-batch, and the step's figure is the highest of them."""
+    into[key] = max(into.get(key, value), value)

@@ -21,7 +21,7 @@ import time
 import torch
 
 from zerolens.measure.allocator import AllocatorReadings, still_referenced_wrappers
-from zerolens.measure.census import MeasurementError, count, storage_bytes, storage_keys
+from zerolens.measure.census import MeasurementError, count, keep_highest, storage_bytes, storage_keys
 from zerolens.measure.tracker import tracked_phase, tracked_step
 
 
@@ -80,10 +80,11 @@ class MemoryProbe:
         return self.detailed_step(strategy) if last else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def phase(self, name: str, strategy, record: dict, last: bool, loss: torch.Tensor | None = None):
+    def phase(self, name: str, strategy, record: dict, last: bool, loss: torch.Tensor | None = None,
+              census: bool = True):
         """One phase (forward, backward, step), measured into `record`: its peaks and time, the
         activations saved in forward, what the strategy holds after it, and the census after
-        backward and after the step."""
+        backward (unless `census` is False: a micro-batch before the step's last) and after the step."""
         with self.measured_phase(name, record, detailed=last):
             if name == "forward":
                 with self.saved_activations(strategy, into=record):
@@ -95,7 +96,7 @@ class MemoryProbe:
                 yield
         if self.allocator:
             self.allocator.note_held(strategy.holdings)
-        if name in ("backward", "step"):
+        if name in ("backward", "step") and census:
             record |= self.census(strategy, name)
 
     def after_last_step(self, strategy, record: dict, run) -> None:
@@ -126,7 +127,8 @@ class MemoryProbe:
             with self._phase_memory(name, into, detailed):
                 yield
         finally:  # CUDA: the allocator's readings synchronise, so this is the phase's time on the GPU too
-            into[f"seconds_{name}"] = time.perf_counter() - start
+            # Under gradient accumulation, the step's time in the phase over its micro-batches.
+            into[f"seconds_{name}"] = into.get(f"seconds_{name}", 0.0) + time.perf_counter() - start
 
     @contextlib.contextmanager
     def _phase_memory(self, name: str, into: dict, detailed: bool):
@@ -152,7 +154,7 @@ class MemoryProbe:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         params = storage_keys(strategy.holdings().param)
-        into["activation_bytes_after_forward"] = storage_bytes(saved, seen=params)
+        keep_highest(into, "activation_bytes_after_forward", storage_bytes(saved, seen=params))
         if self.allocator:
             self.allocator.note_activations(saved)
         saved.clear()  # autograd holds them until backward; we must not hold them longer

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from zerolens.measure.census import keep_highest
+
 
 class StepTimer:
     """bench's probe for the training loop (train.train): each step timed between two synchronisations
@@ -64,7 +66,7 @@ class StepTimer:
                 self.tracker = None
 
     @contextlib.contextmanager
-    def phase(self, name: str, strategy, record: dict, last: bool, loss=None):
+    def phase(self, name: str, strategy, record: dict, last: bool, loss=None, census: bool = True):
         """CUDA: the allocator's peak of the phase. Reading and resetting the peak are host-side
         figures of the caching allocator, with no synchronisation, so the timing is untouched; what
         was reached before the reset is kept in `highest`."""
@@ -80,7 +82,7 @@ class StepTimer:
         self.highest_reserved = max(self.highest_reserved, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         yield
-        record[f"peak_during_{name}"] = torch.cuda.max_memory_allocated()
+        keep_highest(record, f"peak_during_{name}", torch.cuda.max_memory_allocated())
 
     def after_last_step(self, strategy, record: dict, run) -> None:
         pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from zerolens.measure.census import MeasurementError
+from zerolens.measure.census import MeasurementError, keep_highest
 
 
 class _NoHook:
@@ -57,9 +57,13 @@ def tracker_total(tracker, kind: str) -> int:
 def tracked_phase(tracker, name: str, into: dict):
     """The tracker's peak over the block, counted from what is held at its start, into
     `into["peak_during_<name>"]` (verify's and bench's CPU phases)."""
+    if name == "forward":
+        # MemTracker keeps per-module figures of one forward only and refuses a second in its context
+        # (gradient accumulation's micro-batches); zerolens reads its totals, which this keeps.
+        tracker.reset_mod_stats()
     reset_tracker_peak(tracker)
     yield
-    into[f"peak_during_{name}"] = tracker_total(tracker, "peak")
+    keep_highest(into, f"peak_during_{name}", tracker_total(tracker, "peak"))
 
 
 def reset_tracker_peak(tracker) -> None:

@@ -180,23 +180,26 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
                 requests.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
             before = len(gloo_copies), len(modelled_buffers)
             yield
-            into[name] = tracker_total(tracker, "peak")
+            # Under gradient accumulation forward and backward run once per micro-batch: the highest.
+            into[name] = max(into.get(name, 0), tracker_total(tracker, "peak"))
             collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 
         for step in range(steps):
-            tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one iteration only
             # The rank's micro-batch as the step sees it. A CPU run's loop holds it through the step.
             # On CUDA it is copied to the GPU in forward and held by the graph only: on fake CUDA
             # tensors forward_loss's .to(device) makes that copy; traced on the CPU, a clone stands in.
-            batch = (tokens, labels) if device.type == "cuda" else (tokens.clone(), labels.clone())
             traced.append({})
-            with phase("forward", traced[-1]):
-                loss = step_model.forward_loss(*batch)
-            if cuda_capability is not None:
-                del batch
-            with phase("backward", traced[-1]):
-                step_model.backward(loss)
-            del loss
+            for micro in range(settings.grad_accum):
+                tracker.reset_mod_stats()  # MemTracker keeps per-module figures of one forward only
+                batch = (tokens, labels) if device.type == "cuda" else (tokens.clone(), labels.clone())
+                with step_model.accumulating(sync=micro == settings.grad_accum - 1):
+                    with phase("forward", traced[-1]):
+                        loss = step_model.forward_loss(*batch)
+                    if cuda_capability is not None:
+                        del batch
+                    with phase("backward", traced[-1]):
+                        step_model.backward(loss)
+                del loss
             with phase("step", traced[-1]):
                 step_model.step()
         held = tracker_total(tracker, "current")

@@ -97,11 +97,11 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
                   versions: dict, predicted: dict | None = None) -> dict:
     """gathered[rank][i]: rank's result for config.strategies[i]. `predicted`: the run's
     predicted_peaks.json (predict.peak.predicted_peaks), made before training."""
-    global_batch = config.micro_batch * config.nproc
+    global_batch = config.micro_batch * config.nproc  # of one micro-batch; a step has config.grad_accum of them
     # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
-    tokens_per_step = (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
-                                  signal=config.signal)[0].numel()
-                       if config.model.kind == "user" else global_batch * config.model.seq_len)
+    tokens_per_step = config.grad_accum * (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
+                                                      signal=config.signal)[0].numel()
+                                           if config.model.kind == "user" else global_batch * config.model.seq_len)
     flops_per_token = training_flops_per_token(config.model, params)
     peak_tflops, peak_source = config.peak_tflops, "--peak-tflops"
     if peak_tflops is None:
@@ -147,7 +147,8 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
     return {"schema_version": SCHEMA_VERSION, "device": config.device, "device_name": device_name,
             "world_size": config.nproc,
             "precision": config.precision, "preset": config.preset, "model": config.to_json()["model"],
-            "params": params, "micro_batch": config.micro_batch, "tokens_per_step": tokens_per_step,
+            "params": params, "micro_batch": config.micro_batch, "grad_accum": config.grad_accum,
+            "tokens_per_step": tokens_per_step,
             "warmup_steps": config.warmup_steps, "timed_steps": config.steps,
             "flops_per_token": flops_per_token,
             "flop_count": "6 x (parameters - embedding tables) + 12 x layers x width x sequence per token "
@@ -172,6 +173,8 @@ def render_bench(summary: dict, command: str) -> str:
                             "loss"], rows)
     flops = (f"FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}." if summary["flops_per_token"]
              else "FLOPs: not known for a user's model (no TFLOP/s or MFU); tokens are its input elements.")
+    accumulated = (f" x {summary['grad_accum']} micro-batches per step (gradient accumulation)"
+                   if summary.get("grad_accum", 1) > 1 else "")
     mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."
            if summary["peak_tflops"] else "No MFU: no peak FLOP/s is known for this device (give --peak-tflops).")
     peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
@@ -213,7 +216,7 @@ def render_bench(summary: dict, command: str) -> str:
 Command: `{command}`
 
 {summary['preset']} ({summary['params']:,} parameters), {summary['world_size']} x {summary['device_name']},
-{summary['precision']}, micro-batch {summary['micro_batch']} per rank, {summary['tokens_per_step']:,} tokens per step.
+{summary['precision']}, micro-batch {summary['micro_batch']} per rank{accumulated}, {summary['tokens_per_step']:,} tokens per step.
 Step time: median of {summary['timed_steps']} synchronised steps after {summary['warmup_steps']} warm-up steps,
 each step's slowest rank. {flops} {mfu}
 {peak}

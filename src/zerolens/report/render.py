@@ -201,9 +201,11 @@ def render(summary: dict, command: str) -> str:
     """The same text for the terminal and report.md."""
     ws, dev = summary["world_size"], summary["device"]
     notes = "".join(f"\n> {n}\n" for n in summary["notes"])
+    accumulated = (f" of {summary['grad_accum']} micro-batches each (gradient accumulation: each phase's peak is the "
+                   "highest over the step's micro-batches)" if summary.get("grad_accum", 1) > 1 else "")
     return f"""# zerolens verify: {summary['verdict']}
 
-{ws} ranks on {dev}, {summary['precision']}, {summary['param_count']:,} parameters, {summary['steps']} steps, \
+{ws} ranks on {dev}, {summary['precision']}, {summary['param_count']:,} parameters, {summary['steps']} steps{accumulated}, \
 baseline {summary['baseline']}. Command: `{command}`
 {notes}
 ## Memory per rank (MiB = 1024^2 bytes)

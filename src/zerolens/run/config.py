@@ -43,6 +43,7 @@ class RunConfig:
     steps: int = 100
     seed: int = 0
     micro_batch: int = 8
+    grad_accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
     lr: float = 1e-4
     # DeepSpeed's reduce_bucket_size and ZeRO-3's param_persistence_threshold: a user's DeepSpeed
     # config (--ds-config, --ds-override) sets them where it has them (deepspeed_zero_setting).
@@ -93,6 +94,8 @@ class RunConfig:
             raise UserError(f"--gradient-clipping must be 0 (off) or positive, got {self.gradient_clipping}")
         if self.micro_batch < 1:
             raise UserError(f"--micro-batch must be at least 1, got {self.micro_batch}")
+        if self.grad_accum < 1:
+            raise UserError(f"--grad-accum must be at least 1, got {self.grad_accum}")
         bucket_elements(self.reduce_bucket_size)
         if self.device not in ("cpu", "cuda"):
             raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
@@ -100,7 +103,7 @@ class RunConfig:
             raise UserError(f"--precision must be fp16, bf16 or fp32, got {self.precision!r}")
         if self.ds_config:
             check_user_ds_config(self.ds_config, self.ds_config_path, micro_batch=self.micro_batch,
-                                 world_size=self.nproc, precision=self.precision)
+                                 grad_accum=self.grad_accum, world_size=self.nproc, precision=self.precision)
         if self.device == "cpu" and self.precision == "fp16":
             raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): "
                             "use --precision bf16 or fp32, or --device cuda")
@@ -121,6 +124,7 @@ class RunConfig:
     def train_settings(self) -> TrainSettings:
         """What every strategy trains with."""
         return TrainSettings(precision=self.precision, lr=self.lr, micro_batch=self.micro_batch,
+                             grad_accum=self.grad_accum,
                              world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
                              gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
                              user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose)

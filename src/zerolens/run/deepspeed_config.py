@@ -38,19 +38,20 @@ def ds_override_from_json(text: str | None) -> dict:
     return value
 
 
-def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, world_size: int, precision: str) -> None:
+def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, world_size: int, precision: str,
+                         grad_accum: int = 1) -> None:
     """The batch arithmetic and precision of a user's DeepSpeed config must agree with the run's:
-    zerolens feeds every rank `micro_batch` samples per step, without gradient accumulation."""
+    zerolens feeds every rank `micro_batch` samples per micro-batch, `grad_accum` micro-batches per step."""
     def explicit(key, section=None):
         value = (user.get(section) or {}).get(key) if section else user.get(key)
         return None if value in (None, "auto") else value
 
-    accumulation = explicit("gradient_accumulation_steps") or 1
+    accumulation = explicit("gradient_accumulation_steps") or grad_accum
     micro = explicit("train_micro_batch_size_per_gpu") or micro_batch
     total = explicit("train_batch_size")
-    if accumulation != 1:
-        raise UserError(f"--ds-config {path}: gradient_accumulation_steps {accumulation}, but zerolens steps without "
-                        "accumulation: set it to 1 or \"auto\"")
+    if accumulation != grad_accum:
+        raise UserError(f"--ds-config {path}: gradient_accumulation_steps {accumulation}, but the run accumulates "
+                        f"{grad_accum} micro-batches per step: pass --grad-accum {accumulation} or set it to \"auto\"")
     if micro != micro_batch:
         raise UserError(f"--ds-config {path}: train_micro_batch_size_per_gpu {micro}, but the run feeds {micro_batch} "
                         f"samples per rank: pass --micro-batch {micro} or set it to \"auto\"")

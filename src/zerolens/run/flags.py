@@ -45,7 +45,7 @@ def parse_strategies(text: str) -> tuple[str, ...]:
 
 
 # The flags of a training run only, which a command that trains nothing takes from their defaults.
-TRAINING_ONLY = {"lr": None, "steps": 100, "seed": 0, "timeout": 900}
+TRAINING_ONLY = {"lr": None, "steps": 100, "seed": 0, "timeout": 900, "grad_accum": 1}
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True) -> None:
@@ -83,10 +83,14 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
                             help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
         parser.add_argument("--steps", type=int, default=100)
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                            help="gradient accumulation: K micro-batches per rank before each optimizer step "
+                                 "(DDP under no_sync, DeepSpeed's gradient_accumulation_steps, FSDP2 reduce-scattering "
+                                 "each; default 1)")
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
     parser.add_argument("--global-batch", type=int, default=None,
-                        help="samples per step over all ranks; must be divisible by --nproc "
-                             "(default: micro-batch x nproc)")
+                        help="samples per optimizer step over all ranks; must be divisible by --nproc x "
+                             "--grad-accum (default: micro-batch x nproc x grad-accum)")
     parser.add_argument("--reduce-bucket-size", type=float, default=5e7,
                         help="DeepSpeed reduce_bucket_size in elements (default 5e7, the case study's)")
     parser.add_argument("--gradient-clipping", type=float, default=1.0,
@@ -178,14 +182,17 @@ def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 
 def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
-    """Samples per rank per step: --global-batch over the ranks, else --micro-batch."""
+    """Samples per rank per micro-batch: --global-batch over the ranks and the micro-batches each
+    accumulates (--grad-accum), else --micro-batch."""
     if args.global_batch is None:
         return args.micro_batch
     if args.global_batch < 1:
         raise UserError(f"--global-batch must be at least 1, got {args.global_batch}")
-    if args.global_batch % nproc:
-        raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes")
-    return args.global_batch // nproc
+    accumulated = max(1, args.grad_accum)  # a --grad-accum below 1 is said by RunConfig
+    if args.global_batch % (nproc * accumulated):
+        raise UserError(f"--global-batch {args.global_batch} is not divisible by {nproc} processes"
+                        + (f" x {accumulated} accumulated micro-batches" if accumulated > 1 else ""))
+    return args.global_batch // (nproc * accumulated)
 
 
 # bench without --preset or --model: a model worth timing on GPUs, and on the CPU one whose steps take a
@@ -244,7 +251,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                                          STAGE3_PERSISTENCE_THRESHOLD)
     config = RunConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,
                        precision=precision, precision_note=note, device_note=device_note, steps=args.steps, seed=args.seed,
-                       micro_batch=micro_batch, reduce_bucket_size=reduce_bucket_size,
+                       micro_batch=micro_batch, grad_accum=args.grad_accum, reduce_bucket_size=reduce_bucket_size,
                        param_persistence_threshold=persistence,
                        gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
                        ds_override=ds_override, ds_config=ds_config, ds_config_path=args.ds_config,

@@ -65,10 +65,13 @@ class StrategyRun:
 
 
 def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, steps: int, device: torch.device,
-          phase: Phase, probe) -> StrategyRun:
+          phase: Phase, probe, grad_accum: int = 1) -> StrategyRun:
     """The one training loop of verify and bench: set up, `steps` steps of forward, backward and
-    optimizer step on this rank's `batches`, the losses averaged over the ranks, teardown. The probe
-    does the measuring (verify's MemoryProbe, bench's StepTimer), around the steps and their phases."""
+    optimizer step on this rank's `batches`, the losses averaged over the ranks, teardown. Under
+    gradient accumulation a step runs forward and backward on `grad_accum` micro-batches before
+    its optimizer step. The probe does the measuring (verify's MemoryProbe, bench's StepTimer), around
+    the steps and their phases (a phase's figures in a step: its highest peak and its total time over
+    the micro-batches)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     run = StrategyRun(strategy.name)
     phase.at(strategy=strategy.name, step=-1, name="setup")
@@ -78,26 +81,37 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
     # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
     torch.manual_seed(seed + 1 + rank)
     losses = []
+    accumulated = grad_accum
     start = time.perf_counter()
     with progress(steps, probe.label(strategy, 0)) if rank == 0 else contextlib.nullcontext() as bar:
         for step, (tokens, labels) in zip(range(steps), batches):
             phase.at(step=step)
             record = {"strategy": strategy.name, "rank": rank, "step": step}
             last = step == steps - 1
+            micro_losses = []
             with probe.step(strategy, record, last):
-                phase.enter("forward")
-                with probe.phase("forward", strategy, record, last):
-                    loss = strategy.forward_loss(tokens, labels)
-                phase.enter("backward")
-                with probe.phase("backward", strategy, record, last, loss=loss):
-                    strategy.backward(loss)
+                for micro in range(accumulated):
+                    if micro:  # the step's next micro-batch, made when needed, as a data loader would
+                        tokens, labels = next(batches)
+                    with strategy.accumulating(sync=micro == accumulated - 1):
+                        phase.enter("forward")
+                        with probe.phase("forward", strategy, record, last):
+                            loss = strategy.forward_loss(tokens, labels)
+                        phase.enter("backward")
+                        # The census after backward is the step's last micro-batch's, after its reduction.
+                        with probe.phase("backward", strategy, record, last, loss=loss,
+                                         census=micro == accumulated - 1):
+                            strategy.backward(loss)
+                    if micro < accumulated - 1:
+                        micro_losses.append(loss.item())
                 phase.enter("step")
                 with probe.phase("step", strategy, record, last):
                     record["step_applied"] = strategy.step()
             if last:
                 phase.at(name="measuring the last step")
                 probe.after_last_step(strategy, record, run)
-            losses.append(loss.item())  # a float: no tensor of the loop's outlives its step
+            micro_losses.append(loss.item())  # floats: no tensor of the loop's outlives its step
+            losses.append(sum(micro_losses) / accumulated)
             run.records.append(record)
             if bar is not None:
                 bar.advance(probe.label(strategy, step + 1))

@@ -222,7 +222,8 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
     batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
                            rank=dist.get_rank(), world_size=dist.get_world_size())
     run = train(strategy, model_config=config.model, seed=config.seed, batches=batches, device=device, phase=phase,
-                steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe)
+                steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe,
+                grad_accum=config.grad_accum)
     if bench:
         return {"name": name, "seconds": [r["seconds"] for r in run.records], "losses": run.losses,
                 "settings": strategy.describe(), "notes": run.notes, **run.measured}
@@ -373,13 +374,14 @@ def print_header(config: RunConfig, out: Path) -> None:
     for note in (config.device_note, config.precision_note):
         if note:
             say(f"zerolens: {note}")
+    accumulated = f" of {config.grad_accum} micro-batches each" if config.grad_accum > 1 else ""
     if config.job == "bench":
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps",
+            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}",
             f"run folder: {out}")
     else:
         say(f"zerolens verify: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-            f"{', '.join(config.strategies)}, {config.steps} steps", f"run folder: {out}")
+            f"{', '.join(config.strategies)}, {config.steps} steps{accumulated}", f"run folder: {out}")
 
 
 @record

@@ -9,6 +9,7 @@ the rank's partition lives inside the optimizer.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,9 @@ class TrainSettings:
     precision: str  # fp16 | bf16 | fp32
     lr: float = 1e-4
     micro_batch: int = 8
+    # Micro-batches per optimizer step on each rank (gradient accumulation): forward and backward run
+    # this many times before the step, the loss of each divided by it (as DeepSpeed divides it).
+    grad_accum: int = 1
     world_size: int = 2
     reduce_bucket_size: int = 50_000_000
     # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise (0.19:
@@ -125,6 +129,12 @@ class Strategy(abc.ABC):
     def step(self) -> bool:
         """Optimizer step and zeroing of gradients; False if the step was skipped (fp16 overflow)."""
 
+    def accumulating(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward and backward under gradient accumulation
+        (settings.grad_accum > 1); `sync` is False for all but the step's last micro-batch. By default
+        the backend accumulates into the gradients it already holds and needs nothing more."""
+        return contextlib.nullcontext()
+
     @abc.abstractmethod
     def holdings(self) -> Holdings:
         """The tensors held now, per component."""
@@ -147,6 +157,8 @@ class ScaledStrategy(Strategy):
     `optimizer`, `module` and `settings` in setup."""
 
     def backward(self, loss):
+        if self.settings.grad_accum > 1:  # the step's gradient is the mean over its micro-batches, as DeepSpeed's
+            loss = loss / self.settings.grad_accum
         self.scaler.scale(loss).backward()
 
     def step(self):

@@ -1,6 +1,8 @@
 """torch DistributedDataParallel."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -67,6 +69,10 @@ class TorchDDP(ScaledStrategy):
             logits = self.model(tokens.to(self.device))
         return loss_of(logits, labels.to(self.device))
 
+    def accumulating(self, sync):
+        # no_sync: the gradients add up in p.grad, and the buckets are reduced in the last micro-batch only.
+        return contextlib.nullcontext() if sync else self.model.no_sync()
+
     def holdings(self):
         params = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
@@ -111,9 +117,15 @@ class TorchDDPStepModel(TorchDDP):
                       for i, p in enumerate(self.params)]
         return module
 
+    def accumulating(self, sync):
+        # The step model has no DDP to ask; under no_sync DDP copies nothing into its buckets (they
+        # exist from construction) and records no gradient order (Reducer::autograd_hook returns early).
+        return contextlib.nullcontext()
+
     def forward_loss(self, tokens, labels):
-        if self.forwards == 1:
-            # The rebuild in the second forward: Reducer::initialize_buckets clears the old buckets
+        if self.forwards == self.settings.grad_accum:
+            # The rebuild in the forward after the first synchronised backward (the second forward
+            # without gradient accumulation): Reducer::initialize_buckets clears the old buckets
             # (buckets_.clear()) before it makes the new ones. On 2xH200 the second step's forward
             # peak is the later steps' (docs/results/2xh200/issue14/matrix/, gpt-1b-mb4-ckpt).
             for hook in self.hooks:

@@ -111,9 +111,9 @@ class DeepSpeedZero(Strategy):
     def ds_config(self) -> dict:
         s = self.settings
         config = {
-            "train_batch_size": s.micro_batch * s.world_size,
+            "train_batch_size": s.micro_batch * s.world_size * s.grad_accum,
             "train_micro_batch_size_per_gpu": s.micro_batch,
-            "gradient_accumulation_steps": 1,
+            "gradient_accumulation_steps": s.grad_accum,
             # torch_adam: the same AdamW update without FusedAdam's JIT build, which takes ~40 s
             # and crashes on TORCH_CUDA_ARCH_LIST values such as "9.0a" (DeepSpeed 0.19.8).
             "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "torch_adam": True,
@@ -195,6 +195,15 @@ class DeepSpeedZero(Strategy):
         if self.scale_loss_ourselves:
             loss = loss * loss_scale(self.engine.optimizer)
         self.engine.backward(loss)
+
+    @contextlib.contextmanager
+    def accumulating(self, sync):
+        """DeepSpeed counts micro-batches itself (gradient_accumulation_steps), in engine.step(), which
+        its users call after every backward: before the boundary it only counts."""
+        yield
+        if not sync:
+            with torch.no_grad():
+                self.engine.step()
 
     def step(self):
         # Without autograd: DeepSpeed 0.18 builds ZeRO-1/2's flat parameter buffer from the parameters
@@ -333,9 +342,12 @@ def zero_config(config: dict):
 def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
     """What in the run's DeepSpeed config (the user's, filled and overridden as the run will use
     it) the step model of `stage` does not model, as "key: value"; empty without a config of the
-    user's own."""
+    user's own and without gradient accumulation, whose micro-batches before the boundary the step
+    models do not follow (ZeRO-1 keeps whole gradients until then, ZeRO-2 and 3 reduce and add each
+    into their partition: stage_1_and_2.py and stage3.py, not modelled)."""
+    accumulation = [f"gradient_accumulation_steps: {settings.grad_accum}"] if settings.grad_accum > 1 else []
     if not (settings.user_ds_config or settings.ds_override):
-        return []
+        return accumulation
     if importlib.util.find_spec("deepspeed") is None:  # reading the config takes DeepSpeed's own parser
         return ["a DeepSpeed config (reading it needs DeepSpeed installed)"]
     plain = dataclasses.replace(settings, user_ds_config={}, ds_override={})
@@ -368,7 +380,7 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
         ignored = read | ZERO_FIELDS_INERT | (set() if stage == 3 else ZERO_FIELDS_OF_STAGE3)
         out += [f"zero_optimization.{k}: {json.dumps(brief(yours[k]), default=str)}" for k in yours
                 if k not in ignored and yours[k] != mine.get(k)]
-    return out
+    return accumulation + out
 
 
 def torch_adamw(params, settings: TrainSettings, cuda: bool) -> torch.optim.Optimizer:

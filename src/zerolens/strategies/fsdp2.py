@@ -148,7 +148,10 @@ class TorchFSDP2(ScaledStrategy):
                 "mixed_precision": ("none: fp32" if self.settings.precision == "fp32" else
                                     f"param_dtype {self.settings.precision}, reduce_dtype fp32"),
                 "optimizer": "torch.optim.AdamW" + (" (fused)" if self.settings.fused_adam else ""),
-                "lr": self.settings.lr, "gradient_clipping": self.settings.gradient_clipping}
+                "lr": self.settings.lr, "gradient_clipping": self.settings.gradient_clipping,
+                # torchtitan's choice: unsynchronised micro-batches (set_requires_gradient_sync(False))
+                # would keep whole unsharded gradients until the step, which sharding is meant to avoid.
+                "gradient_accumulation": "reduce-scatter after every micro-batch, into the sharded gradients"}
 
     def notes(self):
         if not self.block_count:
