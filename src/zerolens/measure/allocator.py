@@ -112,8 +112,8 @@ class AllocatorReadings:
             self.activation_addresses = {t.untyped_storage().data_ptr() for t in saved if t.is_cuda}
 
     def peak_anatomy(self, known_preexisting_bytes: int, backend_code: tuple[str, ...]) -> dict:
-        """After the last step: every byte at each phase's peak, by component. Phase i runs from
-        boundary map i to boundary map i + 1."""
+        """After the last step: every byte at each phase's peak, by component. A phase runs from the
+        boundary map its trace names to the next one."""
         out = {}
         for name, t in self.traces.items():
             out[name] = peaks.peak_anatomy(
@@ -166,4 +166,3 @@ def still_referenced_wrappers() -> list[str]:
     return ["DistributedDataParallel by " + ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(o)
                                                                if r is not alive}))
             for o in alive]
-

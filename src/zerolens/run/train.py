@@ -81,7 +81,6 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
     # Dropout draws from the RNG: the same stream for every strategy, a different one per rank.
     torch.manual_seed(seed + 1 + rank)
     losses = []
-    accumulated = grad_accum
     start = time.perf_counter()
     with progress(steps, probe.label(strategy, 0)) if rank == 0 else contextlib.nullcontext() as bar:
         for step, (tokens, labels) in zip(range(steps), batches):
@@ -90,19 +89,19 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
             last = step == steps - 1
             micro_losses = []
             with probe.step(strategy, record, last):
-                for micro in range(accumulated):
+                for micro in range(grad_accum):
                     if micro:  # the step's next micro-batch, made when needed, as a data loader would
                         tokens, labels = next(batches)
-                    with strategy.accumulating(sync=micro == accumulated - 1):
+                    with strategy.accumulating(sync=micro == grad_accum - 1):
                         phase.enter("forward")
                         with probe.phase("forward", strategy, record, last):
                             loss = strategy.forward_loss(tokens, labels)
                         phase.enter("backward")
                         # The census after backward is the step's last micro-batch's, after its reduction.
                         with probe.phase("backward", strategy, record, last, loss=loss,
-                                         census=micro == accumulated - 1):
+                                         census=micro == grad_accum - 1):
                             strategy.backward(loss)
-                    if micro < accumulated - 1:
+                    if micro < grad_accum - 1:
                         micro_losses.append(loss.item())
                 phase.enter("step")
                 with probe.phase("step", strategy, record, last):
@@ -111,7 +110,7 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
                 phase.at(name="measuring the last step")
                 probe.after_last_step(strategy, record, run)
             micro_losses.append(loss.item())  # floats: no tensor of the loop's outlives its step
-            losses.append(sum(micro_losses) / accumulated)
+            losses.append(sum(micro_losses) / grad_accum)
             run.records.append(record)
             if bar is not None:
                 bar.advance(probe.label(strategy, step + 1))
