@@ -237,10 +237,11 @@ class DeepSpeedZero(Strategy):
             masters = required(optimizer, "single_partition_of_fp32_groups")
             partitions = [g for g in required(optimizer, "averaged_gradients").values() if g is not None]
             partition_grads = [t for group in partitions for t in group]
-            # ZeRO-2's contiguous buffer of the rank's reduced gradients (copy_grads_in_partition), freed at
-            # the step (_release_ipg_buffers): under gradient accumulation it holds the sum so far through
-            # the next micro-batches' forwards, where averaged_gradients is not yet set.
-            accumulated = [t for t in [getattr(optimizer, "grads_in_partition", None)] if t is not None]
+            # Under gradient accumulation, the rank's reduced gradients summed so far, kept between the
+            # micro-batches before the boundary (independent_gradient_partition_epilogue: views of ZeRO-2's
+            # contiguous buffer, which it no longer names), where averaged_gradients is not set yet.
+            accumulated = [t for group in getattr(optimizer, "all_grad_tensors", {}).values() if group
+                           for t in group if t is not None]
             return Holdings(param=params, grad=model_grads + partition_grads + accumulated + fp32_grads(masters),
                             optimizer_state=masters + basic_state, comm_buffer=reduce_buckets(optimizer),
                             grad_partition_elements=sum(t.numel() for t in partition_grads))
