@@ -79,3 +79,48 @@ def test_census_equals_prediction_byte_for_byte(census, name, precision):
         want = predict_retained(name, NUMELS, world_size, rank, precision, reduce_bucket_size=BUCKET,
                                 param_shapes=SHAPES, deepspeed=deepspeed_layout())  # the installed DeepSpeed
         assert got == {k: want[k] for k in RETAINED_KEYS}, f"rank {rank}"
+
+
+def gradients_between_micro_batches(rank, world_size):
+    """Each strategy with two micro-batches per step: the gradient bytes it holds after the first
+    micro-batch (before the step's last) and after the last."""
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    settings = TrainSettings(precision="bf16", world_size=world_size, micro_batch=2, reduce_bucket_size=BUCKET,
+                             grad_accum=2)
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "fsdp2"):
+        strategy = make_strategy(name, settings)
+        strategy.setup(build_model(ODD, seed=0), torch.device("cpu"))
+        held = []
+        for micro in range(2):
+            tokens, labels = global_batch(micro, seed=0, batch_size=2 * world_size, seq_len=ODD.seq_len,
+                                          vocab_size=ODD.vocab_size, num_classes=ODD.num_classes)
+            tokens, labels = rank_slice(tokens, labels, rank, world_size)
+            with strategy.accumulating(sync=micro == 1):
+                strategy.backward(strategy.forward_loss(tokens, labels))
+            held.append(count(strategy.holdings())["grad_bytes"])
+        strategy.step()
+        strategy.teardown()
+        out[name] = held
+    return out
+
+
+@pytest.mark.slow
+def test_the_gradients_summed_between_micro_batches_are_named():
+    """Between gradient accumulation's micro-batches every backend keeps the gradients summed so far,
+    and the census must find them where the backend keeps them (ZeRO-2: DeepSpeed's all_grad_tensors,
+    views of a buffer it no longer names; the GPU's peak anatomy once left them unattributed): as many
+    bytes as after the step's last micro-batch, but for the flat partition's alignment padding, which
+    the boundary adds on the last rank, and under ZeRO-1, which keeps every parameter's bf16 gradient
+    until the boundary."""
+    world_size = 2
+    padding = (-sum(NUMELS)) % (2 * world_size)  # DeepSpeed aligns the flat buffer to 2 x N elements
+    for rank, held in enumerate(spawn(gradients_between_micro_batches, world_size=world_size)):
+        for name, (between, last) in held.items():
+            if name == "zero1":
+                assert between == 2 * sum(NUMELS) and last > 0, (rank, between, last)
+            elif name == "zero2":
+                assert between == last - 2 * padding * (rank == world_size - 1), (rank, between, last)
+            else:
+                assert between == last > 0, (rank, name, between, last)
