@@ -9,10 +9,12 @@ import pytest
 import zerolens
 
 PACKAGE = Path(zerolens.__file__).parent
-# Top first: commands -> run -> report -> predict -> strategies -> measure -> models -> foundation.
+# Top first: commands -> integrations -> tracking -> run -> report -> predict -> strategies -> measure -> models -> foundation.
 LAYERS = [
     ("entry points", {"zerolens", "zerolens.__main__", "zerolens.cli", "zerolens.worker"}),
     ("commands", {"zerolens.commands"}),
+    ("integrations", {"zerolens.integrations"}),
+    ("tracking", {"zerolens.tracking"}),
     ("run", {"zerolens.run"}),
     ("report", {"zerolens.report"}),
     ("predict", {"zerolens.predict"}),
@@ -99,9 +101,10 @@ def test_the_public_functions_are_importable_from_zerolens():
     import subprocess
     import sys
 
-    from zerolens import estimate, predict_peaks, predict_retained
+    from zerolens import estimate, predict_peaks, predict_retained, track
     from zerolens.commands.estimate import estimate as estimate_in_its_module
     assert estimate is estimate_in_its_module and callable(predict_peaks) and callable(predict_retained)
+    assert callable(track)
     result = estimate(strategies=("zero2",), world_size=4, precision="fp16", reduce_bucket_size=50_000_000,
                       params=1e9)
     assert result["strategies"]["zero2"]["deepspeed_estimator_bytes"] == 2e9 + 18e9 / 4

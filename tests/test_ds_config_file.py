@@ -96,6 +96,11 @@ def test_the_deepspeed_config_sets_the_bucket_and_persistence_zerolens_predicts_
     assert deepspeed_zero_setting(config, {"zero_optimization": {"reduce_bucket_size": 7}}, "reduce_bucket_size",
                                   5e7) == 7
     assert deepspeed_zero_setting(config, {}, "stage3_param_persistence_threshold", 100_000) == 100_000
+    # Left out of the user's config: DeepSpeed's own default, which is what it runs with (an "auto" is
+    # zerolens's to fill, and so is a run without a config of the user's).
+    assert deepspeed_zero_setting({"zero_optimization": {"stage": 2}}, {}, "reduce_bucket_size", 5e7) == 500_000_000
+    assert deepspeed_zero_setting({"bf16": {"enabled": True}}, {}, "stage3_param_persistence_threshold", 7) == 100_000
+    assert deepspeed_zero_setting({}, {}, "reduce_bucket_size", 5e7) == 50_000_000
     assert deepspeed_zero_setting({"zero_optimization": {"param_persistence_threshold": 10}}, {},
                                   "stage3_param_persistence_threshold", 100_000) == 10
     with pytest.raises(UserError, match="zero_optimization.reduce_bucket_size must be a number"):

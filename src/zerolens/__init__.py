@@ -3,14 +3,15 @@
 The functions a program calls, importable from here (each loaded when first asked for, so that
 `import zerolens` costs nothing): `estimate` (each strategy's memory per rank, predicted without
 training), `predict_peaks` (one rank's peak per phase, traced on fake tensors) and `predict_retained`
-(the bytes a rank keeps per component). Where each part of the code lives: docs/contributing.md.
+(the bytes a rank keeps per component) and `track` (what a user's own training loop holds, per rank and
+phase, measured as verify measures it). Where each part of the code lives: docs/contributing.md.
 """
 import importlib
 
 from zerolens._version import __version__
 
 _PUBLIC = {"estimate": "zerolens.commands.estimate", "predict_peaks": "zerolens.predict.peak",
-           "predict_retained": "zerolens.strategies.registry"}
+           "predict_retained": "zerolens.strategies.registry", "track": "zerolens.tracking.track"}
 __all__ = ["__version__", *_PUBLIC]
 
 

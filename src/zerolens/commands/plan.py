@@ -513,12 +513,12 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("--top and --jobs must be at least 1, --check at least 0")
     gpus = visible_gpus() if args.check else None
     config = config_from_args(args, gpus_visible=gpus if args.check else 0, checked=True)
-    # A DeepSpeed config of the user's own that sets reduce_bucket_size decides it (run/deepspeed_config.py,
-    # deepspeed_zero_setting): the grid has that one size.
+    # A DeepSpeed config of the user's own decides reduce_bucket_size: its own, or DeepSpeed's default where
+    # it has none (run/deepspeed_config.py, deepspeed_zero_setting): the grid has that one size.
     ds_bucket = deepspeed_zero_setting(config.ds_config, config.ds_override, "reduce_bucket_size", 0) or None
     if ds_bucket and args.reduce_bucket_sizes:
-        raise UserError("--reduce-bucket-sizes: the DeepSpeed config (--ds-config/--ds-override) sets "
-                        f"reduce_bucket_size {ds_bucket}, which DeepSpeed would use; plan with that one size")
+        raise UserError("--reduce-bucket-sizes: with the DeepSpeed config (--ds-config/--ds-override), DeepSpeed "
+                        f"would use reduce_bucket_size {ds_bucket}; plan with that one size")
     buckets = finite_bucket_sizes(args.reduce_bucket_sizes or str(ds_bucket or args.reduce_bucket_size))
     if args.check and gpus < config.nproc:
         raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "

@@ -271,3 +271,78 @@ def folded(rows: list[tuple]) -> list[tuple[int, int, tuple]]:
         else:
             out.append((i, i, row))
     return out
+
+
+# --- zerolens.track's report (tracking/track.py) -----------------------------------------------------------
+
+TRACKED_KEYS = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes",
+                "comm_buffer_bytes_after_backward", "peak_bytes", "reserved_peak_bytes")
+
+
+def largest_rank(ranks: list[dict]) -> dict:
+    """The rank holding the most: by its allocator peak where there is one (CUDA), else by its census."""
+    return max(ranks, key=lambda r: (r["peak_bytes"] or 0, census_after_step(r) + r["grad_bytes_after_backward"]))
+
+
+def tracked_report(summary: dict) -> str:
+    """report.md of a tracked run: every rank's figures over its sampled steps, the prediction beside
+    the census where there is one, the checks."""
+    name = summary["strategy"]
+    ranks = summary["strategies"][name]["ranks"]
+    rows = [[r["rank"], len(r["sampled_steps"]), with_prediction(r, "param_bytes"),
+             with_prediction(r, "grad_bytes_after_backward"), with_prediction(r, "grad_bytes_after_step"),
+             with_prediction(r, "optimizer_state_bytes"), with_prediction(r, "comm_buffer_bytes_after_backward"),
+             mib(r["activation_bytes_after_forward"]), mib(r["peak_during_forward"]), mib(r["peak_during_backward"]),
+             mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"])] for r in ranks]
+    table = markdown_table(["rank", "sampled steps", "params", "grads after backward", "grads after step",
+                            "optimizer states", "comm buffers after backward", "activations saved in forward",
+                            "peak in forward", "peak in backward", "peak in step", "reserved peak"], rows)
+    notes = "".join(f"\n> {n}\n" for n in summary["notes"])
+    errors = "".join(f"\n- {rank}: {text}" for rank, text in summary["errors"].items())
+    unfinished = {"UNFINISHED": "\nThe loop is still running, or ended without leaving track: figures so far.\n",
+                  "CRASHED": f"\nThe loop ended with an error:{errors}\n"}.get(summary["verdict"], "")
+    missing = summary["ranks_without_a_sampled_step"]
+    return f"""# zerolens.track: {summary['verdict']}
+{unfinished}
+{name} on {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''} ({summary['device']}, \
+{summary['precision']}), {summary['steps_seen']} optimizer steps seen, every {summary['every']}th measured \
+(the first included).{f" Ranks without a sampled step yet: {', '.join(map(str, missing))}." if missing else ""}
+{notes}
+## Memory per rank (MiB = 1024^2 bytes)
+Counted from the tensors each rank holds, each storage once: after the last backward of a sampled step \
+(just before the optimizer step) and after the step (at the next forward); the latest sampled step's. \
+Peaks: the CUDA allocator's, the highest over the sampled steps (a phase runs from the model's forward \
+to backward, from backward's call to its return, and over the optimizer's step). A prediction from the \
+parameter sizes is shown only where it differs.
+
+{table}
+
+## Checks
+
+{checks_text(summary)}
+"""
+
+
+def tracked_terminal_lines(summary: dict, out: Path) -> list:
+    """What track prints on rank 0 at exit: one table over the ranks (identical ones folded), the
+    largest rank named, the checks, where the report is."""
+    from zerolens.report.tables import failed_line, terminal_table
+    ranks = summary["strategies"][summary["strategy"]]["ranks"]
+    if not ranks:
+        return [f"zerolens.track: no step was measured; {out / 'report.md'} says why."]
+    keys = [k for k in TRACKED_KEYS if any(r[k] is not None for r in ranks)]
+    unit, label = unit_for([r[k] for r in ranks for k in keys])
+    shown = [tuple(in_unit(r[k], unit) for k in keys) for r in ranks]
+    rows = [[str(first) if first == last else f"{first}-{last}", *values] for first, last, values in folded(shown)]
+    headers = {"param_bytes": "params", "grad_bytes_after_backward": "grads", "optimizer_state_bytes": "optimizer",
+               "comm_buffer_bytes_after_backward": "buffers", "peak_bytes": "peak", "reserved_peak_bytes": "reserved"}
+    table = terminal_table(["ranks", *(headers[k] for k in keys)], rows, right=set(range(1, len(keys) + 1)))
+    largest = largest_rank(ranks)
+    failed = [c for c in summary["checks"] if not c["passed"]]
+    lines = ["", f"zerolens.track: {summary['strategy']}, memory per rank in {label} (grads: after the last backward "
+             "of a sampled step)", table, f"Largest: rank {largest['rank']}."]
+    if summary["checks"]:
+        lines.append(f"{len(summary['checks']) - len(failed)} of {len(summary['checks'])} checks passed.")
+    lines += [failed_line(f"{c['name']}: {c['detail']}") for c in failed]
+    lines.append(f"Report: {out / 'report.md'}; summary.json beside it.")
+    return lines

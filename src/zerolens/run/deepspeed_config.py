@@ -66,10 +66,16 @@ def check_user_ds_config(user: dict, path: str | None, *, micro_batch: int, worl
                             f"pass --precision {dtype} or set \"enabled\" to \"auto\"")
 
 
+# What DeepSpeed uses where a config leaves a setting out (deepspeed/runtime/zero/config.py, 0.16-0.19).
+DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_param_persistence_threshold": 100_000}
+
+
 def deepspeed_zero_setting(ds_config: dict, ds_override: dict, key: str, default) -> int:
     """zero_optimization.`key` (or its name without "stage3_") as the run's DeepSpeed config sets
-    it, --ds-override over --ds-config, in elements; `default` where neither sets it or it is "auto".
-    What DeepSpeed will use, so that what zerolens predicts of it agrees (strategies/layout.py, predict/peak.py)."""
+    it, --ds-override over --ds-config, in elements; `default` where neither sets it or it is "auto"
+    (zerolens fills an "auto" with its own), except that a --ds-config which leaves it out gets
+    DeepSpeed's own default (DEEPSPEED_DEFAULTS): what DeepSpeed will use, so that what zerolens
+    predicts of it agrees (strategies/layout.py, predict/peak.py)."""
     for source, where in ((ds_override, "--ds-override"), (ds_config, "--ds-config")):
         section = source.get("zero_optimization") or {}
         for name in (key, key.removeprefix("stage3_")):
@@ -79,6 +85,9 @@ def deepspeed_zero_setting(ds_config: dict, ds_override: dict, key: str, default
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise UserError(f"{where}: zero_optimization.{name} must be a number of elements, got {value!r}")
             return int(value)
+    named = (ds_config.get("zero_optimization") or {}).keys() & {key, key.removeprefix("stage3_")}
+    if ds_config and not named:
+        return DEEPSPEED_DEFAULTS[key]
     if not math.isfinite(default):
         raise UserError(f"--reduce-bucket-size must be a number of elements, got {default}")
     return int(default)

@@ -115,9 +115,21 @@ class Strategy(abc.ABC):
         or None (the default: it follows every supported release)."""
         return None
 
+    @classmethod
+    def adopt(cls, trained, optimizer, **options) -> Strategy | None:
+        """This backend around what a user's own loop built and trains (zerolens.track): `trained`, the
+        wrapped model or engine, and its optimizer, left as `setup` would leave them, for `holdings`
+        and `describe`; None where `trained` is not this backend's with these `options` (the
+        registry's). Nothing of the user's training changes."""
+        return None
+
     @abc.abstractmethod
     def setup(self, model: nn.Module, device: torch.device) -> None:
         """Wrap the model (fp32, on the CPU) and build the optimizer."""
+
+    def before_forward(self) -> None:
+        """Called before every forward (forward_loss's, and a tracked loop's): what the backend must
+        let go of before it (none by default)."""
 
     @abc.abstractmethod
     def forward_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...

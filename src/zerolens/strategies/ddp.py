@@ -56,7 +56,39 @@ class TorchDDP(ScaledStrategy):
         self.bucket_buffers[bucket.index()] = bucket.buffer()
         return allreduce_hook(None, bucket)
 
-    def forward_loss(self, tokens, labels):
+    @classmethod
+    def adopt(cls, trained, optimizer, **options):
+        """A user's DistributedDataParallel and its optimizer. Its buckets are seen through the same
+        communication hook as setup's, where DDP still takes one (none registered, no forward yet);
+        otherwise they are not counted, and `notes` says so."""
+        if not isinstance(trained, nn.parallel.DistributedDataParallel):
+            return None
+        strategy = cls.around(trained.module, trained, optimizer)
+        try:
+            trained.register_comm_hook(None, strategy._allreduce_and_remember_bucket)
+            strategy.buckets_seen = True
+        except (RuntimeError, AssertionError):  # a hook of the user's, or buckets built already
+            strategy.buckets_seen = False
+        return strategy
+
+    @classmethod
+    def around(cls, module: nn.Module, model: nn.Module, optimizer):
+        """The strategy over a user's `module`, wrapped as `model`, and their optimizer (adopt)."""
+        first = next(module.parameters())
+        strategy = cls(TrainSettings(precision=next((k for k, v in DTYPES.items() if v == first.dtype), "fp32"),
+                                     world_size=torch.distributed.get_world_size()
+                                     if torch.distributed.is_initialized() else 1))
+        strategy.device, strategy.module, strategy.model = first.device, module, model
+        strategy.optimizer, strategy.bucket_buffers = optimizer, {}
+        return strategy
+
+    def notes(self):
+        if getattr(self, "buckets_seen", True):
+            return []
+        return ["DDP's gradient buckets are not counted: the model had a communication hook, or had run a "
+                "forward, before zerolens.track saw it (enter track before the first step)"]
+
+    def before_forward(self):
         if isinstance(self.model, nn.parallel.DistributedDataParallel) and not required(self.model,
                                                                                       "_has_rebuilt_buckets"):
             # DDP rebuilds its buckets in the forward after the first backward (in the order the
@@ -64,6 +96,9 @@ class TorchDDP(ScaledStrategy):
             # alive. They held 4 bytes per parameter through the second step, 406.5 MiB on
             # gpt-100m (docs/results/2xh200/issue14/ddp_bucket_hold.py, 2xH200); the next backward's hook refills this.
             self.bucket_buffers.clear()
+
+    def forward_loss(self, tokens, labels):
+        self.before_forward()
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.settings.precision != "fp32"):
             logits = self.model(tokens.to(self.device))
@@ -90,6 +125,23 @@ class TorchDDP(ScaledStrategy):
                 "lr": self.settings.lr, "autocast": self.settings.precision,
                 "gradient_clipping": self.settings.gradient_clipping,
                 "gradient_as_bucket_view": False}
+
+
+class UnwrappedModule(TorchDDP):
+    """A module no data-parallel backend wraps, and its optimizer, as a user's loop trains it
+    (zerolens.track): parameters, their gradients and the optimizer's states; no buckets. Registered
+    as no strategy: there is no layout to predict it with."""
+    name = "module"
+
+    @classmethod
+    def adopt(cls, trained, optimizer, **options):
+        if not isinstance(trained, nn.Module) or isinstance(trained, nn.parallel.DistributedDataParallel):
+            return None
+        return cls.around(trained, trained, optimizer)
+
+    def describe(self):
+        return {"backend": "none (a module no data-parallel backend wraps)",
+                "optimizer": type(self.optimizer).__name__}
 
 
 class TorchDDPStepModel(TorchDDP):

@@ -108,6 +108,20 @@ class DeepSpeedZero(Strategy):
         self.name = f"deepspeed-stage{stage}"  # the registry names it
         self.settings = settings
 
+    @classmethod
+    def adopt(cls, trained, optimizer, *, stage: int):
+        """A user's DeepSpeed engine (its own optimizer; `optimizer` is not needed) at this ZeRO stage."""
+        if not any(c.__name__ == "DeepSpeedEngine" for c in type(trained).__mro__):
+            return None
+        if trained.zero_optimization_stage() != stage:
+            return None
+        precision = "bf16" if trained.bfloat16_enabled() else "fp16" if trained.fp16_enabled() else "fp32"
+        strategy = cls(TrainSettings(precision=precision, world_size=trained.world_size,
+                                     grad_accum=trained.gradient_accumulation_steps(),
+                                     reduce_bucket_size=int(trained.zero_reduce_bucket_size())), stage=stage)
+        strategy.device, strategy.engine, strategy.module = trained.device, trained, trained.module
+        return strategy
+
     def ds_config(self) -> dict:
         s = self.settings
         config = {

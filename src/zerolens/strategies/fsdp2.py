@@ -58,6 +58,28 @@ class TorchFSDP2(ScaledStrategy):
         self.name = "fsdp2"  # the registry names it
         self.settings = settings
 
+    @classmethod
+    def adopt(cls, trained, optimizer, *, reshard_after_forward: bool):
+        """A user's model under fully_shard and its optimizer: every FSDP group in it, and the root's
+        state. Whether the root group reshards after forward tells fsdp2 from fsdp2-grad."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        if not isinstance(trained, FSDPModule):
+            return None
+        groups = [(m, group) for m in trained.modules() if isinstance(m, FSDPModule)
+                  for group in fsdp_param_groups(fully_shard.state(m))]
+        # FSDPParamGroup.post_forward_mesh_info is None where parameters stay gathered after forward.
+        reshards = any(required(group, "post_forward_mesh_info") is not None for _, group in groups)
+        if reshards != reshard_after_forward:
+            return None
+        first = next(trained.parameters())
+        strategy = cls(TrainSettings(precision="fp32", world_size=torch.distributed.get_world_size()),
+                       reshard_after_forward=reshard_after_forward)
+        strategy.device, strategy.module, strategy.optimizer = first.device, trained, optimizer
+        strategy.root_state = fully_shard.state(trained)
+        strategy.fsdp_params = [p for _, group in groups for p in required(group, "fsdp_params")]
+        strategy.block_count = sum(m is not trained for m, _ in groups)
+        return strategy
+
     def mixed_precision(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         if self.settings.precision == "fp32":

@@ -169,6 +169,11 @@ class Layout:
     # base) has no gradient and no optimizer state with any backend, and DeepSpeed's ZeRO-1/2 leave it
     # out of their flat partition.
     trainable: tuple[bool, ...] | None = None
+    # The optimizer's parameter groups: each a tuple of indices into param_numels, in the group's order,
+    # of parameters that train; None: one group of them all. DeepSpeed flattens and partitions each
+    # group on its own (ZeRO-1/2: a padded flat buffer per group) and keeps a step counter per group;
+    # Hugging Face's Trainer makes two (weight decay and none).
+    param_groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def psi(self) -> int:
@@ -183,6 +188,13 @@ class Layout:
     def trained_shapes(self) -> list[tuple[int, ...]] | None:
         return self.param_shapes if self.trainable is None or self.param_shapes is None else [
             s for s, trains in zip(self.param_shapes, self.trainable) if trains]
+
+    @property
+    def trained_groups(self) -> list[list[int]]:
+        """The sizes of the parameters of each optimizer group, in flattening order."""
+        if self.param_groups is None:
+            return [self.trained_numels]
+        return [[self.param_numels[i] for i in group] for group in self.param_groups]
 
     @property
     def trained_psi(self) -> int:
@@ -219,9 +231,9 @@ def deepspeed_stage0_layout(x: Layout) -> dict:
     """DeepSpeed without ZeRO: whole 16-bit (or fp32) weights and gradients, fp32 masters in 16-bit."""
     psi, trained, e = x.psi, x.trained_psi, x.element_bytes
     if x.precision == "bf16" and x.deepspeed.stage0_bf16_wrapper == "BF16_Optimizer":
-        if x.trainable is not None and not all(x.trainable):
-            raise ValueError("frozen parameters under DeepSpeed 0.16's BF16_Optimizer (bf16 without ZeRO) are not "
-                             "modelled")
+        if (x.trainable is not None and not all(x.trainable)) or len(x.trained_groups) > 1:
+            raise ValueError("frozen parameters and parameter groups under DeepSpeed 0.16's BF16_Optimizer (bf16 "
+                             "without ZeRO) are not modelled")
         # bf16 weights in one flat buffer padded as ZeRO-1/2 pad it, their bf16 gradients (kept
         # after the step), a flat fp32 gradient buffer of the padded size (zeroed at the step,
         # never freed); fp32 masters and one Adam state on the rank's 1/N slice
@@ -237,13 +249,13 @@ def deepspeed_stage0_layout(x: Layout) -> dict:
 
 
 def deepspeed_flat_partition_layout(x: Layout) -> dict:
-    """ZeRO-1/2: one flat group of the parameters that train (frozen ones stay whole, in 16-bit, on
-    every rank); the reduce bucket is freed by backward's end."""
-    part = zero_rank_partition(x.trained_numels, x.world_size, x.rank)
-    p, e = part.partition_elements, x.element_bytes
+    """ZeRO-1/2: a flat buffer per optimizer group of the parameters that train, each cut in N (frozen
+    ones stay whole, in 16-bit, on every rank); the reduce bucket is freed by backward's end."""
+    parts = [zero_rank_partition(group, x.world_size, x.rank) for group in x.trained_groups]
+    p, e = sum(part.partition_elements for part in parts), x.element_bytes
     frozen = x.psi - x.trained_psi
-    return retained(e * (p * x.world_size + frozen), e * part.held_grad_elements, 0,
-                    (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, p)
+    return retained(e * (p * x.world_size + frozen), e * sum(part.held_grad_elements for part in parts), 0,
+                    (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER * len(parts), 0, p)
 
 
 def deepspeed_stage3_layout(x: Layout) -> dict:
@@ -255,8 +267,9 @@ def deepspeed_stage3_layout(x: Layout) -> dict:
     # On one rank the shard is the whole parameter and nothing else is kept (2xH200, N=1).
     persistent = 0 if x.world_size == 1 else sum(math.ceil(n / x.world_size) * x.world_size for n in x.param_numels
                                                  if n <= x.param_persistence_threshold)
-    return retained(e * (shard + persistent), e * trained, e * trained, (FP32 + ADAM_MOMENTS) * trained + STEP_COUNTER,
-                    e * x.reduce_bucket_size, trained)
+    return retained(e * (shard + persistent), e * trained, e * trained,
+                    (FP32 + ADAM_MOMENTS) * trained + STEP_COUNTER * len(x.trained_groups), e * x.reduce_bucket_size,
+                    trained)
 
 
 def fsdp2_layout(x: Layout) -> dict:

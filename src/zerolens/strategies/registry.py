@@ -133,17 +133,35 @@ def predict_retained(name: str, param_numels: list[int], world_size: int, rank: 
                      reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
                      deepspeed: DeepSpeedLayout | None = None,
                      param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD, weight_bytes: int = 4,
-                     trainable: list[bool] | None = None) -> dict:
+                     trainable: list[bool] | None = None, param_groups=None) -> dict:
     """Bytes a rank of strategy `name` holds per component (RETAINED_KEYS), from parameter sizes
     (`weight_bytes`: the weights' element size as the model is built, models.model.weight_bytes;
-    `trainable`: which parameters train, models.model.trainable_flags; None: all)."""
+    `trainable`: which parameters train, models.model.trainable_flags; None: all; `param_groups`: the
+    optimizer's groups, layout.Layout.param_groups; None: one)."""
     layout = Layout(param_numels=param_numels, world_size=world_size, rank=rank, precision=precision,
                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
                     param_persistence_threshold=param_persistence_threshold, weight_bytes=weight_bytes,
                     trainable=None if trainable is None else tuple(trainable),
+                    param_groups=None if param_groups is None else tuple(tuple(g) for g in param_groups),
                     **({"deepspeed": deepspeed} if deepspeed is not None else {}))
     predicted = spec(name).layout(layout)
     return {k: predicted[k] for k in RETAINED_KEYS}
+
+
+def adopt(trained, optimizer):
+    """The strategy a user's loop trains with (zerolens.track): the registered strategy whose backend
+    recognises `trained` (a DDP model, a DeepSpeed engine, an FSDP2 model) with its options, named as
+    registered; else a plain module's (strategies.ddp.UnwrappedModule, registered as none); else None."""
+    from zerolens.strategies.ddp import UnwrappedModule
+    for registered in _REGISTRY.values():
+        module, _, cls = registered.backend.partition(":")
+        if registered.needs_deepspeed and not any(c.__module__.startswith("deepspeed") for c in type(trained).__mro__):
+            continue  # a DeepSpeed backend would import DeepSpeed to say no
+        strategy = getattr(importlib.import_module(module), cls).adopt(trained, optimizer, **registered.options)
+        if strategy is not None:
+            strategy.name = registered.name
+            return strategy
+    return UnwrappedModule.adopt(trained, optimizer)
 
 
 def needing_deepspeed(strategies) -> list[str]:

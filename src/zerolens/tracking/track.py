@@ -1,0 +1,391 @@
+"""zerolens.track: what a user's own training holds, per rank and phase, measured as verify measures it.
+
+    with zerolens.track(model, optimizer, out="runs/myjob", every=50):
+        ...the user's loop, unchanged...
+
+The strategy comes from the registry (registry.adopt): a DDP model, a DeepSpeed engine (stages 0-3), a
+model under FSDP2's fully_shard, or a plain module. The phases are found through hooks, so the loop
+calls nothing per step: a forward begins at the model's forward pre-hook (a training forward: grad
+enabled, module in training mode) and lasts until backward begins; backward is the call of
+torch.autograd.backward (what `loss.backward()` calls; a DeepSpeed engine's `backward`), patched
+only during a sampled step; the step is the optimizer's step (its step hooks; a DeepSpeed engine's
+`step` at a gradient accumulation boundary). On every `every`-th optimizer step, from the first, it
+takes verify's census (measure.probe.MemoryProbe) after the last backward of the step (just before the
+optimizer step) and after the step (at the next forward, after the loop's zero_grad, or at exit), and
+on CUDA each phase's allocator peak and reserve. Off the sampled steps the hooks count steps, nothing
+more.
+
+Each rank appends its sampled steps to metrics_rank<r>.jsonl in the run folder as they end; rank 0
+then rewrites summary.json and report.md from every rank's file (unfinished until track exits), so
+a crash leaves a readable partial report. At exit the ranks wait for each other and rank 0 writes the
+final report and prints one short table.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerolens.errors import UserError, one_line_error
+from zerolens.measure.probe import MemoryProbe
+from zerolens.report import files
+from zerolens.report.checks import prediction_check
+from zerolens.report.render import tracked_report, tracked_terminal_lines
+from zerolens.report.summary import rank_summary
+from zerolens.report.tables import SCHEMA_VERSION, say
+from zerolens.run.folder import default_run_folder, new_run_folder
+from zerolens.run.worker import append_metrics, git_commit, versions
+from zerolens.strategies import registry
+from zerolens.strategies.layout import RETAINED_KEYS, deepspeed_layout
+
+EVERY = 50  # sampled steps: the first and every 50th after it
+
+
+@contextlib.contextmanager
+def track(trained, optimizer=None, *, out: str | Path | None = None, every: int = EVERY, overwrite: bool = False):
+    """Measures the user's training loop inside the block on every rank (see the module's docstring).
+    `trained`: the model the loop trains (plain, DDP-wrapped or under fully_shard) or a DeepSpeed
+    engine; `optimizer`: its optimizer (a DeepSpeed engine has its own); `out`: the run folder
+    (runs/<time> by default; an existing one only with `overwrite`, and only if zerolens made it).
+    Yields the Tracker. Every rank must enter it."""
+    tracker = Tracker(trained, optimizer, out=out, every=every, overwrite=overwrite)
+    try:
+        yield tracker
+    except BaseException as error:
+        tracker.close(error)
+        raise
+    tracker.close(None)
+
+
+def world() -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def run_folder_of_rank0(out: Path | None, overwrite: bool) -> Path:
+    """The run folder, made by rank 0 and named to every rank; rank 0's UserError raised on every
+    rank, which must not go on where rank 0 cannot."""
+    made = [None, None]  # the folder, or the error
+    if world()[0] == 0:
+        try:
+            made[0] = str(new_run_folder(out or default_run_folder(), overwrite))
+        except UserError as error:
+            made[1] = str(error)
+    if world()[1] > 1:
+        dist.broadcast_object_list(made, src=0)
+    if made[1] is not None:
+        raise UserError(made[1])
+    return Path(made[0])
+
+
+def parameter_sizes(module: nn.Module) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Each parameter's whole size and shape, as the model was built: ZeRO-3 keeps them beside its
+    shards (ds_numel, ds_shape); a DTensor's shape is its global one."""
+    params = list(module.parameters())
+    numels = [int(getattr(p, "ds_numel", p.numel())) for p in params]
+    shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
+    return numels, shapes
+
+
+class Tracker:
+    def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool):
+        if not isinstance(every, int) or every < 1:
+            raise UserError(f"zerolens.track: every={every!r}; give a whole number of steps, 1 or more")
+        strategy = registry.adopt(trained, optimizer)
+        if strategy is None:
+            raise UserError(f"zerolens.track: cannot track a {type(trained).__name__}; give it the model the loop "
+                            "trains (a module, DDP-wrapped or under fully_shard) or a DeepSpeed engine")
+        self.engine = trained if hasattr(strategy, "engine") else None
+        if self.engine is None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError("zerolens.track needs the optimizer the loop steps: zerolens.track(model, optimizer)")
+        self.strategy, self.trained, self.every = strategy, trained, every
+        self.rank, self.world_size = world()
+        self.device = strategy.device
+        self.registered = strategy.name in registry.names()
+        self.probe = MemoryProbe(self.device, backend_code=registry.spec(strategy.name).transient_code
+                                 if self.registered else ())
+        self.steps_done = 0
+        self.record: dict | None = None  # the sampled step being measured
+        self.after_step_pending = False  # its census after the step waits for the next forward
+        self.phases: dict[str, contextlib.ExitStack] = {}
+        self.activations: contextlib.ExitStack | None = None
+        self.backward_depth = 0
+        self.sampled_seconds: list[float] = []
+        self.started = time.time()
+        self.out = run_folder_of_rank0(None if out is None else Path(out), overwrite)
+        self._undo: list = []  # what puts the user's objects back as they were, at close
+        self.backward_undo = None  # the same for backward's patch, during a sampled step
+        self._install()
+        if self.rank == 0:
+            self._write_config()
+
+    def _write_config(self) -> None:
+        numels, _ = parameter_sizes(self.strategy.module)
+        first = next(self.strategy.module.parameters())
+        config = {"command": "zerolens.track", "strategy": self.strategy.name, "trained": type(self.trained).__name__,
+                  "optimizer": type(getattr(self.engine, "optimizer", None) or self.strategy.optimizer).__name__,
+                  "world_size": self.world_size, "device": self.device.type, "every": self.every,
+                  "param_count": sum(numels), "weights": str(first.dtype).removeprefix("torch."),
+                  "precision": self.strategy.settings.precision, "grad_accum": self.strategy.settings.grad_accum}
+        env = {"command": "zerolens.track", "argv": sys.argv, "python": sys.version.split()[0], **versions(),
+               "backend": dist.get_backend() if self.world_size > 1 else None, "world_size": self.world_size,
+               "device": self.device.type, "hostname": platform.node(), "zerolens_commit": git_commit()}
+        files.write_json(self.out / "config.json", config)
+        files.write_json(self.out / "env.json", env)
+
+    # --- The hooks -----------------------------------------------------------------------------------
+    def _install(self) -> None:
+        module = self.trained
+        # Before the backend's own pre-hooks (FSDP2 gathers the root's parameters in one): the census
+        # after the step is taken there.
+        pre = module.register_forward_pre_hook(self._forward_begins, prepend=True)
+        post = module.register_forward_hook(self._forward_ends)
+        self._undo += [pre.remove, post.remove]
+        if self.engine is not None:
+            self._undo.append(patched(self.engine, "step", self._engine_step(self.engine.step)))
+        else:
+            before = self.strategy.optimizer.register_step_pre_hook(lambda *_: self._step_begins())
+            after = self.strategy.optimizer.register_step_post_hook(lambda *_: self._step_ends())
+            self._undo += [before.remove, after.remove]
+
+    def _engine_step(self, step):
+        def tracked_step(*args, **kwargs):
+            boundary = self.engine.is_gradient_accumulation_boundary()
+            if boundary:
+                self._step_begins()
+            result = step(*args, **kwargs)
+            if boundary:
+                self._step_ends()
+            return result
+        return tracked_step
+
+    def _tracked_backward(self, backward):
+        def tracked_backward(*args, **kwargs):
+            if self.backward_depth == 0:
+                self._close_phase("forward")
+                self._open_phase("backward")
+            self.backward_depth += 1
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self.backward_depth -= 1
+                if self.backward_depth == 0:
+                    self._close_phase("backward")
+        return tracked_backward
+
+    def _forward_begins(self, module, args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # an evaluation's forward
+        self.strategy.before_forward()
+        if self.after_step_pending:
+            self._finish_record()
+        if self.steps_done % self.every:
+            return
+        if self.record is None:
+            self._start_record()
+        self._open_phase("forward")
+        self.activations = contextlib.ExitStack()
+        self.activations.enter_context(self.probe.saved_activations(self.strategy, into=self.record))
+
+    def _forward_ends(self, module, args, output) -> None:
+        if self.activations is not None:
+            self.activations.close()
+            self.activations = None
+
+    def _step_begins(self) -> None:
+        if self.record is None:
+            return
+        self._close_phase("backward")
+        self.record |= self.probe.census(self.strategy, "backward")
+        self._open_phase("step")
+
+    def _step_ends(self) -> None:
+        self.steps_done += 1
+        if self.record is None:
+            return
+        self._close_phase("step")
+        self.record["step_applied"] = True
+        self.after_step_pending = True
+
+    # --- A sampled step ------------------------------------------------------------------------------
+    def _start_record(self) -> None:
+        self.record = {"strategy": self.strategy.name, "rank": self.rank, "step": self.steps_done}
+        self.record_started = time.perf_counter()
+        owner = self.engine if self.engine is not None else torch.autograd
+        self.backward_undo = patched(owner, "backward", self._tracked_backward(owner.backward))
+
+    def _open_phase(self, name: str) -> None:
+        if name in self.phases:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.probe.measured_phase(name, self.record))
+        self.phases[name] = stack
+
+    def _close_phase(self, name: str) -> None:
+        stack = self.phases.pop(name, None)
+        if stack is not None:
+            stack.close()
+
+    def _finish_record(self, at_exit: bool = False) -> None:
+        """The census after the step, and the record into this rank's metrics file. `at_exit`: taken
+        when track ends, with no forward after the step, so before any zero_grad the loop would
+        have called at the top of its next iteration."""
+        self.record |= self.probe.census(self.strategy, "step") | {"census_after_step_at_exit": at_exit}
+        self.record["seconds_sampled_step"] = time.perf_counter() - self.record_started
+        self.backward_undo()
+        self.backward_undo = None
+        append_metrics(self.out, self.rank, [self.record])
+        self.record, self.after_step_pending = None, False
+        if self.rank == 0:
+            self._write_report(verdict="UNFINISHED")
+
+    # --- The end -------------------------------------------------------------------------------------
+    def close(self, error: BaseException | None) -> None:
+        """Hooks off; the last sampled step written where it is whole. Without an error the ranks meet
+        and rank 0 writes the report and prints its table; with one, this rank says what ended it
+        (logs/rank<r>.error), and rank 0 writes the report as it stands."""
+        try:
+            if self.after_step_pending:  # the step ended whole, the error (if any) came after it
+                self._finish_record(at_exit=True)
+        finally:
+            for stack in [*self.phases.values(), self.activations]:
+                if stack is not None:
+                    stack.close()
+            self.phases, self.activations = {}, None
+            if self.backward_undo is not None:
+                self.backward_undo()
+            for undo in reversed(self._undo):
+                undo()
+            self._undo = []
+        if error is not None:
+            (self.out / "logs").mkdir(exist_ok=True)
+            files.write_atomic(self.out / "logs" / f"rank{self.rank}.error",
+                               f"{type(error).__name__}: {one_line_error(error)}\n")
+            if self.rank == 0:
+                self._write_report(verdict="CRASHED")
+            return
+        if self.world_size > 1:
+            dist.barrier()
+        if self.rank == 0:
+            summary = self._write_report(verdict="FINISHED")
+            say(*tracked_terminal_lines(summary, self.out))
+
+    def _write_report(self, verdict: str) -> dict:
+        summary = self.summary(verdict)
+        files.write_json(self.out / "summary.json", summary)
+        files.write_atomic(self.out / "report.md", tracked_report(summary))
+        return summary
+
+    def summary(self, verdict: str) -> dict:
+        """summary.json from every rank's metrics file as it stands: verify's per-rank figures
+        (report.summary.rank_summary) over the sampled steps, and where the registry knows the
+        strategy, the retained bytes predicted beside them and checked."""
+        name = self.strategy.name
+        ranks, missing, notes = [], [], [*self.strategy.notes()]
+        for r in range(self.world_size):
+            path = self.out / f"metrics_rank{r}.jsonl"
+            records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            if not records:
+                missing.append(r)
+                continue
+            # The retained figures are the last record's: the latest whose census after the step came at
+            # a forward, where there is one (a census at exit sees the gradients a next zero_grad would drop).
+            ordered = sorted(records, key=lambda rec: not rec["census_after_step_at_exit"])
+            if ordered[-1]["census_after_step_at_exit"]:
+                notes.append(f"rank {r}: its only sampled step was the last, whose census after the step was "
+                             "taken at exit, before the zero_grad of a next step")
+            ranks.append(rank_summary(r, ordered) | {"sampled_steps": [rec["step"] for rec in records]})
+        errors = {p.stem: p.read_text().strip() for p in sorted((self.out / "logs").glob("rank*.error"))}
+        why_not = self.not_predicted()
+        if why_not:
+            notes.append(f"Retained memory not predicted: {why_not}.")
+        else:
+            numels, shapes = parameter_sizes(self.strategy.module)
+            trainable = [p.requires_grad for p in self.strategy.module.parameters()]
+            settings = self.strategy.settings
+            for rank in ranks:
+                predicted = registry.predict_retained(
+                    name, numels, self.world_size, rank["rank"], settings.precision,
+                    reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes,
+                    deepspeed=deepspeed_layout(versions().get("deepspeed")), weight_bytes=self.weight_bytes(),
+                    trainable=None if all(trainable) else trainable, param_groups=self.parameter_groups(),
+                    **self.stage3_threshold())
+                rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
+        if self.device.type == "cpu":
+            notes.append("CPU: no allocator, so no peaks per phase; the census counts what each rank holds.")
+        return {
+            "schema_version": SCHEMA_VERSION, "command": "zerolens.track", "verdict": verdict,
+            "errors": errors, "strategy": name, "world_size": self.world_size, "device": self.device.type,
+            "precision": self.strategy.settings.precision, "every": self.every, "steps_seen": self.steps_done,
+            "ranks_without_a_sampled_step": missing, "notes": notes,
+            "checks": [prediction_check(name, rank) for rank in ranks if "predicted" in rank],
+            "strategies": {name: {"ranks": ranks}},
+            "seconds": time.time() - self.started,
+        }
+
+    def not_predicted(self) -> str | None:
+        """Why the retained memory cannot be predicted here, or None: the layouts are those of the
+        registered strategies with torch's AdamW (or DeepSpeed's Adam, which keeps the same states)."""
+        if not self.registered:
+            return "a module no data-parallel backend wraps is not a registered strategy"
+        optimizer = self.engine.basic_optimizer if self.engine is not None else self.strategy.optimizer
+        if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and "Adam" not in type(optimizer).__name__:
+            return (f"the layouts are modelled for Adam's two states per parameter, and the optimizer is "
+                    f"{type(optimizer).__name__}")
+        return None
+
+    def parameter_groups(self) -> list[tuple[int, ...]] | None:
+        """The optimizer's parameter groups as layout.Layout.param_groups wants them (indices of the
+        module's parameters that train, in each group's order), None where there is one: a torch
+        optimizer's param_groups; a DeepSpeed engine's original groups, which ZeRO-1/2 keep as
+        bit16_groups and ZeRO-3 as fp16_groups (its basic optimizer holds the flat partitions)."""
+        index = {id(p): i for i, p in enumerate(self.strategy.module.parameters())}
+        if self.engine is None:
+            groups = [group["params"] for group in self.strategy.optimizer.param_groups]
+        else:
+            groups = getattr(self.engine.optimizer, "bit16_groups", None) or getattr(
+                self.engine.optimizer, "fp16_groups", None)
+            if groups is None:  # without ZeRO, each parameter's own state: groups change nothing
+                return None
+        indices = [tuple(index[id(p)] for p in group if id(p) in index and p.requires_grad) for group in groups]
+        indices = [group for group in indices if group]
+        return indices if len(indices) > 1 else None
+
+    def weight_bytes(self) -> int:
+        """The element size of the weights as the model was built: DeepSpeed builds its masters in fp32
+        from them; the torch-native strategies keep them as they are."""
+        if self.engine is not None:
+            return 4
+        return next(self.strategy.module.parameters()).element_size()
+
+    def stage3_threshold(self) -> dict:
+        if self.engine is None or self.engine.zero_optimization_stage() != 3:
+            return {}
+        return {"param_persistence_threshold": int(self.engine.zero_param_persistence_threshold())}
+
+
+def patched(owner, name: str, replacement):
+    """`owner.name` replaced (an object's own attribute, or a module's function); returns what puts
+    the original back."""
+    own = vars(owner)
+    original = own.get(name, _MISSING)
+    setattr(owner, name, replacement)
+
+    def undo():
+        if original is _MISSING:
+            delattr(owner, name)  # the class's method again
+        else:
+            setattr(owner, name, original)
+    return undo
+
+
+_MISSING = object()

@@ -1,0 +1,248 @@
+"""zerolens.track inside a user's own loop: the strategy recognised from what the loop built, the phases
+found through hooks, and the figures verify reports for the same model and settings, byte for byte."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, remove_deepspeed_shared_memory, run, zerolens
+from distributed import spawn
+from torch import nn
+
+import zerolens as zl
+from zerolens.errors import UserError
+from zerolens.models.model import PRESETS, build_model
+from zerolens.strategies.layout import RETAINED_KEYS
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+STEPS = 4
+GROUPED = ("zero1-groups", "zero2-groups", "zero3-groups")
+MICRO_BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    """verify's figures for gpt-tiny in bf16 on 2 CPU ranks, and the settings it ran each strategy with."""
+    out = tmp_path_factory.mktemp("verify") / "run"
+    result = zerolens("verify", "--preset", "gpt-tiny", "--precision", "bf16", "--strategies", ",".join(STRATEGIES),
+                      "--steps", str(STEPS), "--micro-batch", str(MICRO_BATCH), "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return (json.loads((out / "summary.json").read_text()),
+            json.loads((out / "config.json").read_text())["strategy_settings"])
+
+
+def two_groups(model: nn.Module) -> list[dict]:
+    """AdamW's parameter groups as Hugging Face's Trainer makes them: weight decay for the matrices,
+    none for the biases and norms."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def users_loops(rank, world_size, out, strategy_settings):
+    """What users write: each backend set up with its own library's calls and the settings verify used
+    (its lr, gradient clipping and bf16; for DeepSpeed the config verify wrote), then a plain loop
+    inside zerolens.track. Then ZeRO-1/2/3 again with an AdamW of two parameter groups, which DeepSpeed
+    flattens and partitions each on its own."""
+    import deepspeed
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = PRESETS["gpt-tiny"]
+    for name in (*STRATEGIES, *GROUPED):
+        model = build_model(config, seed=0)
+        engine = optimizer = None
+        if name in GROUPED:
+            ds_config = {k: v for k, v in strategy_settings[name.removesuffix("-groups")]["ds_config"].items()
+                         if k != "optimizer"}
+            engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                                   optimizer=torch.optim.AdamW(two_groups(model), lr=1e-4))
+            trained = engine
+        elif name == "ddp":
+            trained = nn.parallel.DistributedDataParallel(model)
+        elif name == "fsdp2":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in model.blocks:
+                fully_shard(block, mp_policy=policy)
+            trained = fully_shard(model, mp_policy=policy)
+        else:
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=strategy_settings[name]["ds_config"])
+            trained = engine
+        if engine is None:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        torch.manual_seed(rank)
+        with zl.track(trained, optimizer, out=out / name, every=1):
+            for _ in range(STEPS):
+                tokens = torch.randint(0, config.vocab_size, (MICRO_BATCH, config.seq_len))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "ddp"):
+                    logits = trained(tokens)
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+                if engine is not None:
+                    engine.backward(loss)
+                    engine.step()
+                else:
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        if engine is not None:
+            engine.destroy()
+
+
+@pytest.mark.slow
+def test_tracked_figures_equal_verifys_for_every_backend(verified, tmp_path):
+    summary, strategy_settings = verified
+    spawn(users_loops, tmp_path, strategy_settings, timeout=600)
+    for name in STRATEGIES:
+        tracked = json.loads((tmp_path / name / "summary.json").read_text())
+        assert tracked["verdict"] == "FINISHED" and tracked["strategy"] == name
+        assert all(c["passed"] for c in tracked["checks"]) and len(tracked["checks"]) == 2
+        for mine, theirs in zip(tracked["strategies"][name]["ranks"], summary["strategies"][name]["ranks"],
+                                strict=True):
+            assert mine["sampled_steps"] == list(range(STEPS))
+            assert {k: mine[k] for k in RETAINED_KEYS} == {k: theirs[k] for k in RETAINED_KEYS}, name
+        for f in ("config.json", "env.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md"):
+            assert (tmp_path / name / f).is_file(), (name, f)
+    for name in GROUPED:  # predicted group by group, byte for byte
+        tracked = json.loads((tmp_path / name / "summary.json").read_text())
+        assert len(tracked["checks"]) == 2 and all(c["passed"] for c in tracked["checks"]), tracked["checks"]
+
+
+def tiny_model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def train_steps(model, optimizer, steps: int, fail_at: int | None = None) -> None:
+    for step in range(steps):
+        if step == fail_at:
+            raise RuntimeError("the user's loop failed here")
+        optimizer.zero_grad()
+        tokens = torch.randint(0, 32, (2, 4))
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+
+
+def test_a_plain_module_is_tracked_on_the_sampled_steps(tmp_path, capsys):
+    model, optimizer = tiny_model_and_optimizer()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=3):
+        train_steps(model, optimizer, 7)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rank = summary["strategies"]["module"]["ranks"][0]
+    assert summary["verdict"] == "FINISHED" and summary["steps_seen"] == 7
+    assert rank["sampled_steps"] == [0, 3, 6]
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert rank["param_bytes"] == rank["grad_bytes_after_backward"] == params
+    # AdamW's two moments, and a 4-byte step counter per parameter
+    assert rank["optimizer_state_bytes"] == 2 * params + 4 * len(list(model.parameters()))
+    assert rank["grad_bytes_after_step"] == 0  # the census after the step sees the next iteration's zero_grad
+    assert "Largest: rank 0." in capsys.readouterr().out
+    # What track changed is put back: no hook, no patched function.
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+
+
+def test_an_evaluation_forward_is_not_a_training_phase(tmp_path):
+    model, optimizer = tiny_model_and_optimizer()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=1):
+        train_steps(model, optimizer, 2)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randint(0, 32, (2, 4)))
+    rank = json.loads((tmp_path / "run" / "summary.json").read_text())["strategies"]["module"]["ranks"][0]
+    assert rank["sampled_steps"] == [0, 1]
+
+
+def test_a_crash_in_the_loop_leaves_a_readable_partial_report(tmp_path):
+    model, optimizer = tiny_model_and_optimizer()
+    with pytest.raises(RuntimeError, match="failed here"):
+        with zl.track(model, optimizer, out=tmp_path / "run", every=1):
+            train_steps(model, optimizer, 5, fail_at=3)
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["verdict"] == "CRASHED"
+    assert summary["errors"] == {"rank0": "RuntimeError: the user's loop failed here"}
+    assert summary["strategies"]["module"]["ranks"][0]["sampled_steps"] == [0, 1, 2]
+    assert "CRASHED" in (run / "report.md").read_text() and "failed here" in (run / "report.md").read_text()
+    assert not model._forward_pre_hooks and torch.autograd.backward.__module__ == "torch.autograd"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m, o, out: zl.track(m, None, out=out), "needs the optimizer"),
+    (lambda m, o, out: zl.track("model", o, out=out), "cannot track a str"),
+    (lambda m, o, out: zl.track(m, o, out=out, every=0), "every=0"),
+])
+def test_what_cannot_be_tracked_is_said_in_one_line(tmp_path, call, message):
+    model, optimizer = tiny_model_and_optimizer()
+    with pytest.raises(UserError, match=message):
+        with call(model, optimizer, tmp_path / "run"):
+            pass
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_zerolens_did_not_make_is_left_alone(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    model, optimizer = tiny_model_and_optimizer()
+    with pytest.raises(UserError, match="already exists"):
+        with zl.track(model, optimizer, out=mine):
+            pass
+    with pytest.raises(UserError, match="not created by zerolens"):
+        with zl.track(model, optimizer, out=mine, overwrite=True):
+            pass
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def torchrun(script: Path, *args: str) -> None:
+    """An example run as its docstring says, with torchrun on 2 CPU processes."""
+    port = free_port()
+    try:
+        result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                      str(port), str(script), *args], timeout=600, env={"OMP_NUM_THREADS": "1"})
+    finally:
+        remove_deepspeed_shared_memory(port)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Largest: rank" in result.stdout  # rank 0's table at exit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["fsdp2_loop.py", "deepspeed_zero2_loop.py"])
+def test_the_examples_loops_write_their_reports(tmp_path, script):
+    torchrun(EXAMPLES / "track" / script, "--out", str(tmp_path / "run"), "--steps", "5", "--every", "2")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["verdict"] == "FINISHED" and summary["steps_seen"] == 5
+    assert [r["sampled_steps"] for r in summary["strategies"][summary["strategy"]]["ranks"]] == [[0, 2, 4]] * 2
+    assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"])
+
+
+@pytest.mark.slow
+def test_a_trainer_with_deepspeed_is_tracked_as_verify_measures_it(tmp_path):
+    """A real transformers.Trainer with a DeepSpeed ZeRO-2 config (examples/track): with one AdamW
+    parameter group, what track reports equals verify's figures for the same model and settings,
+    byte for byte; with the Trainer's own two groups, its figures are as predicted group by group."""
+    seq_len, steps = "32", "4"
+    script = EXAMPLES / "track" / "hf_trainer_deepspeed.py"
+    torchrun(script, "--out", str(tmp_path / "one"), "--steps", steps, "--every", "1", "--seq-len", seq_len,
+             "--one-param-group")
+    torchrun(script, "--out", str(tmp_path / "two"), "--steps", steps, "--every", "2", "--seq-len", seq_len)
+    result = zerolens("verify", "--model", f"hf:{EXAMPLES / 'hf' / 'llama-tiny.json'}", "--ds-config",
+                      str(EXAMPLES / "track" / "ds_zero2.json"), "--strategies", "zero2", "--precision", "bf16",
+                      "--micro-batch", "2", "--seq-len", seq_len, "--steps", steps, "--out", str(tmp_path / "verify"),
+                      timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    verified = json.loads((tmp_path / "verify" / "summary.json").read_text())["strategies"]["zero2"]["ranks"]
+    for folder in ("one", "two"):
+        summary = json.loads((tmp_path / folder / "summary.json").read_text())
+        assert summary["verdict"] == "FINISHED" and summary["strategy"] == "zero2"
+        assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"]), summary["checks"]
+    tracked = json.loads((tmp_path / "one" / "summary.json").read_text())["strategies"]["zero2"]["ranks"]
+    for mine, theirs in zip(tracked, verified, strict=True):
+        assert {k: mine[k] for k in RETAINED_KEYS} == {k: theirs[k] for k in RETAINED_KEYS}
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())["strategies"]["zero2"]["ranks"]
+    assert two[0]["optimizer_state_bytes"] == tracked[0]["optimizer_state_bytes"] + 4  # a step counter per group
