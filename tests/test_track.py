@@ -246,3 +246,20 @@ def test_a_trainer_with_deepspeed_is_tracked_as_verify_measures_it(tmp_path):
         assert {k: mine[k] for k in RETAINED_KEYS} == {k: theirs[k] for k in RETAINED_KEYS}
     two = json.loads((tmp_path / "two" / "summary.json").read_text())["strategies"]["zero2"]["ranks"]
     assert two[0]["optimizer_state_bytes"] == tracked[0]["optimizer_state_bytes"] + 4  # a step counter per group
+
+
+@pytest.mark.slow
+def test_a_lightning_trainer_is_tracked_through_its_callback(tmp_path):
+    """Lightning's DDP on 2 CPU processes: its optimizer steps with a closure that runs forward and
+    backward inside `step`, and zeroes the gradients only after the next forward; the phases are
+    found all the same, and the gradients it keeps through that forward are predicted and said."""
+    result = run([sys.executable, str(EXAMPLES / "track" / "lightning_loop.py"), "--out", str(tmp_path / "run"),
+                  "--steps", "5", "--every", "2"], timeout=600, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["verdict"] == "FINISHED" and summary["strategy"] == "ddp"
+    ranks = summary["strategies"]["ddp"]["ranks"]
+    assert [r["sampled_steps"] for r in ranks] == [[0, 2, 4]] * 2
+    assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"])
+    assert all(r["grad_bytes_after_step"] == r["grad_bytes_after_backward"] > 0 for r in ranks)
+    assert any("still held at the next step's forward" in note for note in summary["notes"])

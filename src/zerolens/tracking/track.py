@@ -153,7 +153,7 @@ class Tracker:
         if self.engine is not None:
             self._undo.append(patched(self.engine, "step", self._engine_step(self.engine.step)))
         else:
-            before = self.strategy.optimizer.register_step_pre_hook(lambda *_: self._step_begins())
+            before = self.strategy.optimizer.register_step_pre_hook(self._optimizer_step_begins)
             after = self.strategy.optimizer.register_step_post_hook(lambda *_: self._step_ends())
             self._undo += [before.remove, after.remove]
 
@@ -200,6 +200,20 @@ class Tracker:
         if self.activations is not None:
             self.activations.close()
             self.activations = None
+
+    def _optimizer_step_begins(self, optimizer, args, kwargs):
+        """A torch optimizer's step pre-hook. A step given a closure (Lightning's, LBFGS's) runs the
+        closure, forward and backward, inside it: the step begins when the closure has returned."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: the optimizer
+        if closure is None:
+            self._step_begins()
+            return None
+
+        def closure_then_step_begins():
+            loss = closure()
+            self._step_begins()
+            return loss
+        return (args[:1], {**kwargs, "closure": closure_then_step_begins})
 
     def _step_begins(self) -> None:
         if self.record is None:
@@ -311,7 +325,7 @@ class Tracker:
         else:
             numels, shapes = parameter_sizes(self.strategy.module)
             trainable = [p.requires_grad for p in self.strategy.module.parameters()]
-            settings = self.strategy.settings
+            settings, kept = self.strategy.settings, []
             for rank in ranks:
                 predicted = registry.predict_retained(
                     name, numels, self.world_size, rank["rank"], settings.precision,
@@ -320,6 +334,15 @@ class Tracker:
                     trainable=None if all(trainable) else trainable, param_groups=self.parameter_groups(),
                     **self.stage3_threshold())
                 rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
+                if rank["grad_bytes_after_step"] and not predicted["grad_bytes_after_step"]:
+                    # The strategy frees its gradients at the step's zero_grad; this loop zeroes them later
+                    # (Lightning's after the next forward), so they live on through that forward.
+                    rank["predicted"]["grad_bytes_after_step"] = predicted["grad_bytes_after_backward"]
+                    kept.append(rank["rank"])
+            if kept:
+                notes.append(f"The loop's gradients were still held at the next step's forward (ranks "
+                             f"{', '.join(map(str, kept))}): its zero_grad comes later (Lightning's comes after the "
+                             "forward), so they are alive through every forward; predicted as kept.")
         if self.device.type == "cpu":
             notes.append("CPU: no allocator, so no peaks per phase; the census counts what each rank holds.")
         return {
