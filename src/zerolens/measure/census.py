@@ -54,12 +54,17 @@ class Holdings:
     # Elements of the gradient this rank owns (its partition, padding included). Under ZeRO the
     # buffer holding them can be larger than the partition; see layout.zero_partition_layout.
     grad_partition_elements: int
+    # Buffers a backend keeps out of Python's reach and names only by their size in bytes (the buckets
+    # of a user's DDP, which zerolens.track reads from DDP's logging data rather than through a
+    # communication hook): added to the communication buffers, as storages no tensor here shares.
+    sized_comm_buffers: tuple[int, ...] = ()
 
 
 def count(holdings: Holdings) -> dict[str, int]:
     """Bytes per component, each storage counted once across all components."""
     seen: set = set()
     out = {f"{c}_bytes": storage_bytes(getattr(holdings, c), seen) for c in COMPONENTS}
+    out["comm_buffer_bytes"] += sum(holdings.sized_comm_buffers)
     out["grad_partition_elements"] = holdings.grad_partition_elements
     return out
 
@@ -77,6 +82,14 @@ def required(obj, name: str):
         raise MeasurementError(
             f"{type(obj).__name__} has no attribute '{name}': this version of {type(obj).__module__.split('.')[0]} "
             "keeps its buffers elsewhere, and zerolens will not guess (see census.py)") from None
+
+
+def required_key(mapping: dict, key: str):
+    """A key the census needs in what a backend reports of itself; its absence means the backend changed."""
+    if key not in mapping:
+        raise MeasurementError(f"the backend's report has no '{key}' (keys: {', '.join(sorted(mapping))}); this "
+                               "release keeps it elsewhere, and zerolens will not guess (see census.py)")
+    return mapping[key]
 
 
 def keep_highest(into: dict, key: str, value: int) -> None:

@@ -6,7 +6,7 @@ import contextlib
 import torch
 from torch import nn
 
-from zerolens.measure.census import Holdings, optimizer_state_tensors, required
+from zerolens.measure.census import Holdings, optimizer_state_tensors, required, required_key
 from zerolens.strategies.base import (
     DTYPES,
     ScaledStrategy,
@@ -58,18 +58,26 @@ class TorchDDP(ScaledStrategy):
 
     @classmethod
     def adopt(cls, trained, optimizer, **options):
-        """A user's DistributedDataParallel and its optimizer. Its buckets are seen through the same
-        communication hook as setup's, where DDP still takes one (none registered, no forward yet);
-        otherwise they are not counted, and `notes` says so."""
+        """A user's DistributedDataParallel and its optimizer. Its buckets are known by their sizes from
+        DDP's logging data (bucket_sizes_logged): setup's communication hook, a Python call per bucket
+        on every step, would cost the user's training on every step, and DDP takes no hook once it has
+        run a forward or where the user has one."""
         if not isinstance(trained, nn.parallel.DistributedDataParallel):
             return None
         strategy = cls.around(trained.module, trained, optimizer)
-        try:
-            trained.register_comm_hook(None, strategy._allreduce_and_remember_bucket)
-            strategy.buckets_seen = True
-        except (RuntimeError, AssertionError):  # a hook of the user's, or buckets built already
-            strategy.buckets_seen = False
+        strategy.buckets_by_size = True
         return strategy
+
+    def bucket_sizes_logged(self) -> tuple[int, ...]:
+        """The bytes of each of DDP's gradient buckets, from its logging data: the rebuilt ones once it
+        has rebuilt them (in the forward after the first backward), the first ones before. Where
+        the gradients are views into the buckets (gradient_as_bucket_view), a gradient counts them,
+        and they are counted here only while no gradient is held."""
+        logged = self.model._get_ddp_logging_data()
+        if logged.get("gradient_as_bucket_view") and any(p.grad is not None for p in self.module.parameters()):
+            return ()
+        sizes = required_key(logged, "rebuilt_bucket_sizes" if logged.get("has_rebuilt_buckets") else "bucket_sizes")
+        return tuple(int(size) for size in str(sizes).split(",") if size.strip())
 
     @classmethod
     def around(cls, module: nn.Module, model: nn.Module, optimizer):
@@ -81,12 +89,6 @@ class TorchDDP(ScaledStrategy):
         strategy.device, strategy.module, strategy.model = first.device, module, model
         strategy.optimizer, strategy.bucket_buffers = optimizer, {}
         return strategy
-
-    def notes(self):
-        if getattr(self, "buckets_seen", True):
-            return []
-        return ["DDP's gradient buckets are not counted: the model had a communication hook, or had run a "
-                "forward, before zerolens.track saw it (enter track before the first step)"]
 
     def before_forward(self):
         if isinstance(self.model, nn.parallel.DistributedDataParallel) and not required(self.model,
@@ -114,6 +116,7 @@ class TorchDDP(ScaledStrategy):
         return Holdings(param=params, grad=grads,
                         optimizer_state=optimizer_state_tensors(self.optimizer),
                         comm_buffer=list(self.bucket_buffers.values()),
+                        sized_comm_buffers=self.bucket_sizes_logged() if getattr(self, "buckets_by_size", False) else (),
                         grad_partition_elements=sum(g.numel() for g in grads))
 
     def teardown(self):
