@@ -263,3 +263,22 @@ def test_a_lightning_trainer_is_tracked_through_its_callback(tmp_path):
     assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"])
     assert all(r["grad_bytes_after_step"] == r["grad_bytes_after_backward"] > 0 for r in ranks)
     assert any("still held at the next step's forward" in note for note in summary["notes"])
+
+
+def test_an_error_of_zerolens_in_a_hook_ends_the_measuring_not_the_training(tmp_path, capsys):
+    from zerolens.measure.census import MeasurementError
+    model, optimizer = tiny_model_and_optimizer()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=1) as tracker:
+        train_steps(model, optimizer, 2)
+
+        def broken():
+            raise MeasurementError("a buffer moved")
+        tracker.strategy.holdings = broken
+        train_steps(model, optimizer, 3)  # goes on: step 1's census after the step fails in step 2's forward
+    assert "rank 0: zerolens.track stopped measuring at step 2: MeasurementError: a buffer moved" in \
+        capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["verdict"] == "FINISHED" and summary["steps_seen"] == 2  # no step counted once it stopped
+    assert summary["strategies"]["module"]["ranks"][0]["sampled_steps"] == [0]  # step 1's record was not whole
+    assert "a buffer moved" in summary["errors"]["rank0"]
+    assert not model._forward_pre_hooks and torch.autograd.backward.__module__ == "torch.autograd"

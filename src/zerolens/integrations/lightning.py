@@ -1,7 +1,7 @@
 """zerolens.track inside a Lightning Trainer, whatever its strategy (DDP, DeepSpeed, FSDP2 through
 ModelParallelStrategy):
 
-    trainer = L.Trainer(strategy="ddp", callbacks=[ZerolensCallback(out="runs/myjob", every=50)])
+    trainer = L.Trainer(devices=2, callbacks=[ZerolensCallback(out="runs/myjob", every=50)])
 
 Tracking starts at on_train_start, when the strategy has wrapped the model (`trainer.strategy.model`:
 the DDP model, the DeepSpeed engine, the sharded module) and built the optimizer, and ends at

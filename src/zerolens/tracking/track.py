@@ -119,7 +119,7 @@ class Tracker:
         self.phases: dict[str, contextlib.ExitStack] = {}
         self.activations: contextlib.ExitStack | None = None
         self.backward_depth = 0
-        self.sampled_seconds: list[float] = []
+        self.failed: str | None = None  # zerolens's own error in a hook, which ended the measuring
         self.started = time.time()
         self.out = run_folder_of_rank0(None if out is None else Path(out), overwrite)
         self._undo: list = []  # what puts the user's objects back as they were, at close
@@ -147,40 +147,74 @@ class Tracker:
         module = self.trained
         # Before the backend's own pre-hooks (FSDP2 gathers the root's parameters in one): the census
         # after the step is taken there.
-        pre = module.register_forward_pre_hook(self._forward_begins, prepend=True)
-        post = module.register_forward_hook(self._forward_ends)
+        pre = module.register_forward_pre_hook(lambda *a: self._measuring(self._forward_begins, *a), prepend=True)
+        post = module.register_forward_hook(lambda *a: self._measuring(self._forward_ends, *a))
         self._undo += [pre.remove, post.remove]
         if self.engine is not None:
             self._undo.append(patched(self.engine, "step", self._engine_step(self.engine.step)))
         else:
-            before = self.strategy.optimizer.register_step_pre_hook(self._optimizer_step_begins)
-            after = self.strategy.optimizer.register_step_post_hook(lambda *_: self._step_ends())
+            before = self.strategy.optimizer.register_step_pre_hook(
+                lambda *a: self._measuring(self._optimizer_step_begins, *a))
+            after = self.strategy.optimizer.register_step_post_hook(lambda *_: self._measuring(self._step_ends))
             self._undo += [before.remove, after.remove]
+
+    def _measuring(self, work, *args):
+        """`work(*args)`, zerolens's own part of a hook: an error in it ends the measuring, never the user's
+        training. It is said once on this rank and kept in logs/rank<r>.error; the report keeps the
+        steps measured before it."""
+        if self.failed is not None:
+            return None
+        try:
+            return work(*args)
+        except Exception as error:
+            self.failed = f"zerolens.track stopped measuring at step {self.steps_done}: {type(error).__name__}: " \
+                          f"{one_line_error(error)}"
+            self._unhook()
+            (self.out / "logs").mkdir(exist_ok=True)
+            files.write_atomic(self.out / "logs" / f"rank{self.rank}.error", self.failed + "\n")
+            print(f"zerolens: rank {self.rank}: {self.failed}; the training goes on", file=sys.stderr)
+            return None
+
+    def _unhook(self) -> None:
+        """Every hook and patch off, every open phase closed: the user's objects as they were."""
+        for stack in [*self.phases.values(), self.activations]:
+            if stack is not None:
+                stack.close()
+        self.phases, self.activations = {}, None
+        if self.backward_undo is not None:
+            self.backward_undo()
+            self.backward_undo = None
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
 
     def _engine_step(self, step):
         def tracked_step(*args, **kwargs):
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary:
-                self._step_begins()
+                self._measuring(self._step_begins)
             result = step(*args, **kwargs)
             if boundary:
-                self._step_ends()
+                self._measuring(self._step_ends)
             return result
         return tracked_step
 
     def _tracked_backward(self, backward):
         def tracked_backward(*args, **kwargs):
             if self.backward_depth == 0:
-                self._close_phase("forward")
-                self._open_phase("backward")
+                self._measuring(self._backward_begins)
             self.backward_depth += 1
             try:
                 return backward(*args, **kwargs)
             finally:
                 self.backward_depth -= 1
                 if self.backward_depth == 0:
-                    self._close_phase("backward")
+                    self._measuring(self._close_phase, "backward")
         return tracked_backward
+
+    def _backward_begins(self) -> None:
+        self._close_phase("forward")
+        self._open_phase("backward")
 
     def _forward_begins(self, module, args) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -211,7 +245,7 @@ class Tracker:
 
         def closure_then_step_begins():
             loss = closure()
-            self._step_begins()
+            self._measuring(self._step_begins)
             return loss
         return (args[:1], {**kwargs, "closure": closure_then_step_begins})
 
@@ -267,19 +301,9 @@ class Tracker:
         """Hooks off; the last sampled step written where it is whole. Without an error the ranks meet
         and rank 0 writes the report and prints its table; with one, this rank says what ended it
         (logs/rank<r>.error), and rank 0 writes the report as it stands."""
-        try:
-            if self.after_step_pending:  # the step ended whole, the error (if any) came after it
-                self._finish_record(at_exit=True)
-        finally:
-            for stack in [*self.phases.values(), self.activations]:
-                if stack is not None:
-                    stack.close()
-            self.phases, self.activations = {}, None
-            if self.backward_undo is not None:
-                self.backward_undo()
-            for undo in reversed(self._undo):
-                undo()
-            self._undo = []
+        if self.after_step_pending:  # the step ended whole, the error (if any) came after it
+            self._measuring(self._finish_record, True)
+        self._unhook()
         if error is not None:
             (self.out / "logs").mkdir(exist_ok=True)
             files.write_atomic(self.out / "logs" / f"rank{self.rank}.error",
