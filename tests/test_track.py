@@ -282,3 +282,16 @@ def test_an_error_of_zerolens_in_a_hook_ends_the_measuring_not_the_training(tmp_
     assert summary["strategies"]["module"]["ranks"][0]["sampled_steps"] == [0]  # step 1's record was not whole
     assert "a buffer moved" in summary["errors"]["rank0"]
     assert not model._forward_pre_hooks and torch.autograd.backward.__module__ == "torch.autograd"
+
+
+def test_fsdp1_is_refused_in_one_line(tmp_path):
+    """FSDP1 wraps the model in a module of its own, which track would otherwise take for a plain module."""
+    class FullyShardedDataParallel(nn.Module):  # FSDP1's class name, without a process group to build one
+        pass
+    model, optimizer = tiny_model_and_optimizer()
+    wrapped = FullyShardedDataParallel()
+    wrapped.module = model
+    with pytest.raises(UserError, match="FSDP1"):
+        with zl.track(wrapped, optimizer, out=tmp_path / "run"):
+            pass
+    assert not (tmp_path / "run").exists()

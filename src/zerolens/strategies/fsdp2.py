@@ -78,6 +78,7 @@ class TorchFSDP2(ScaledStrategy):
         strategy.root_state = fully_shard.state(trained)
         strategy.fsdp_params = [p for _, group in groups for p in required(group, "fsdp_params")]
         strategy.block_count = sum(m is not trained for m, _ in groups)
+        strategy.groups_of_the_loop = len(groups)
         return strategy
 
     def mixed_precision(self):
@@ -176,6 +177,9 @@ class TorchFSDP2(ScaledStrategy):
                 "gradient_accumulation": "reduce-scatter after every micro-batch, into the sharded gradients"}
 
     def notes(self):
+        if hasattr(self, "groups_of_the_loop"):  # adopted: the loop's own fully_shard calls made the groups
+            return [f"{self.name}: {self.groups_of_the_loop} FSDP parameter groups, as the loop's fully_shard calls "
+                    "made them"]
         if not self.block_count:
             return [f"{self.name}: the model has no nn.ModuleList of blocks, so FSDP2 shards it as one group "
                     "and gathers all its parameters at once"]

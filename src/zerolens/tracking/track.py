@@ -100,6 +100,8 @@ class Tracker:
     def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool):
         if not isinstance(every, int) or every < 1:
             raise UserError(f"zerolens.track: every={every!r}; give a whole number of steps, 1 or more")
+        if any(c.__name__ == "FullyShardedDataParallel" for c in type(trained).__mro__):
+            raise UserError("zerolens.track: FSDP1 (FullyShardedDataParallel) is not measured; FSDP2 (fully_shard) is")
         strategy = registry.adopt(trained, optimizer)
         if strategy is None:
             raise UserError(f"zerolens.track: cannot track a {type(trained).__name__}; give it the model the loop "
