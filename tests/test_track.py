@@ -133,6 +133,8 @@ def test_a_plain_module_is_tracked_on_the_sampled_steps(tmp_path, capsys):
     rank = summary["strategies"]["module"]["ranks"][0]
     assert summary["verdict"] == "FINISHED" and summary["steps_seen"] == 7
     assert rank["sampled_steps"] == [0, 3, 6]
+    assert len(rank["seconds_of_sampled_steps"]) == 3 and all(t > 0 for t in rank["seconds_of_sampled_steps"])
+    assert "sampled step (s, median)" in (tmp_path / "run" / "report.md").read_text()
     params = sum(p.numel() * 4 for p in model.parameters())
     assert rank["param_bytes"] == rank["grad_bytes_after_backward"] == params
     # AdamW's two moments, and a 4-byte step counter per parameter

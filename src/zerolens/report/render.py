@@ -1,7 +1,9 @@
-"""verify's presentation: the per-rank tables and report.md, and the terminal summary. Pure functions."""
+"""verify's presentation (the per-rank tables, report.md, the terminal summary) and zerolens.track's
+(tracked_report, tracked_terminal_lines). Pure functions."""
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 
 from zerolens.report.checks import BY_ALLOCATING_CODE, census_after_step, predicted_for_measurement, unexplained_bytes
 from zerolens.report.tables import in_unit, markdown_table, mib, ratio, unit_for
@@ -293,10 +295,12 @@ def tracked_report(summary: dict) -> str:
              with_prediction(r, "grad_bytes_after_backward"), with_prediction(r, "grad_bytes_after_step"),
              with_prediction(r, "optimizer_state_bytes"), with_prediction(r, "comm_buffer_bytes_after_backward"),
              mib(r["activation_bytes_after_forward"]), mib(r["peak_during_forward"]), mib(r["peak_during_backward"]),
-             mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"])] for r in ranks]
+             mib(r["peak_during_step"]), mib(r["reserved_peak_bytes"]),
+             f"{median(r['seconds_of_sampled_steps']):.4f}"] for r in ranks]
     table = markdown_table(["rank", "sampled steps", "params", "grads after backward", "grads after step",
                             "optimizer states", "comm buffers after backward", "activations saved in forward",
-                            "peak in forward", "peak in backward", "peak in step", "reserved peak"], rows)
+                            "peak in forward", "peak in backward", "peak in step", "reserved peak",
+                            "sampled step (s, median)"], rows)
     notes = "".join(f"\n> {n}\n" for n in summary["notes"])
     errors = "".join(f"\n- {rank}: {text}" for rank, text in summary["errors"].items())
     unfinished = {"UNFINISHED": "\nThe loop is still running, or ended without leaving track: figures so far.\n",
@@ -313,7 +317,7 @@ Counted from the tensors each rank holds, each storage once: after the last back
 (just before the optimizer step) and after the step (at the next forward); the latest sampled step's. \
 Peaks: the CUDA allocator's, the highest over the sampled steps (a phase runs from the model's forward \
 to backward, from backward's call to its return, and over the optimizer's step). A prediction from the \
-parameter sizes is shown only where it differs.
+parameter sizes is shown only where it differs. "sampled step": from its first forward to the next forward (the loop's own work between included), with track measuring it.
 
 {table}
 

@@ -343,7 +343,10 @@ class Tracker:
             if ordered[-1]["census_after_step_at_exit"]:
                 notes.append(f"rank {r}: its only sampled step was the last, whose census after the step was "
                              "taken at exit, before the zero_grad of a next step")
-            ranks.append(rank_summary(r, ordered) | {"sampled_steps": [rec["step"] for rec in records]})
+            ranks.append(rank_summary(r, ordered) | {
+                "sampled_steps": [rec["step"] for rec in records],
+                # From a sampled step's first forward to the next forward: what one measured step costs.
+                "seconds_of_sampled_steps": [rec["seconds_sampled_step"] for rec in records]})
         errors = {p.stem: p.read_text().strip() for p in sorted((self.out / "logs").glob("rank*.error"))}
         why_not = self.not_predicted()
         if why_not:
