@@ -306,18 +306,21 @@ def tracked_report(summary: dict) -> str:
     unfinished = {"UNFINISHED": "\nThe loop is still running, or ended without leaving track: figures so far.\n",
                   "CRASHED": f"\nThe loop ended with an error:{errors}\n"}.get(summary["verdict"], "")
     missing = summary["ranks_without_a_sampled_step"]
+    every = summary["every"]
+    sampled = "every step" if every == 1 else f"the first step and every {every}th after it"
     return f"""# zerolens.track: {summary['verdict']}
 {unfinished}
 {name} on {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''} ({summary['device']}, \
-{summary['precision']}), {summary['steps_seen']} optimizer steps seen, every {summary['every']}th measured \
-(the first included).{f" Ranks without a sampled step yet: {', '.join(map(str, missing))}." if missing else ""}
+{summary['precision']}), {summary['steps_seen']} optimizer steps seen; measured: {sampled}.\
+{f" Ranks without a sampled step yet: {', '.join(map(str, missing))}." if missing else ""}
 {notes}
 ## Memory per rank (MiB = 1024^2 bytes)
 Counted from the tensors each rank holds, each storage once: after the last backward of a sampled step \
 (just before the optimizer step) and after the step (at the next forward); the latest sampled step's. \
 Peaks: the CUDA allocator's, the highest over the sampled steps (a phase runs from the model's forward \
 to backward, from backward's call to its return, and over the optimizer's step). A prediction from the \
-parameter sizes is shown only where it differs. "sampled step": from its first forward to the next forward (the loop's own work between included), with track measuring it.
+parameter sizes is shown only where it differs. "sampled step": from its first forward to the next \
+forward (the loop's own work between included), with track measuring it.
 
 {table}
 
