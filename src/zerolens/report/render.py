@@ -307,7 +307,7 @@ def tracked_report(summary: dict) -> str:
                   "CRASHED": f"\nThe loop ended with an error:{errors}\n"}.get(summary["verdict"], "")
     missing = summary["ranks_without_a_sampled_step"]
     every = summary["every"]
-    sampled = "every step" if every == 1 else f"the first step and every {every}th after it"
+    sampled = "every step" if every == 1 else f"the first step, then one in every {every}"
     return f"""# zerolens.track: {summary['verdict']}
 {unfinished}
 {name} on {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''} ({summary['device']}, \
