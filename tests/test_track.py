@@ -297,3 +297,19 @@ def test_fsdp1_is_refused_in_one_line(tmp_path):
         with zl.track(wrapped, optimizer, out=tmp_path / "run"):
             pass
     assert not (tmp_path / "run").exists()
+
+
+def test_what_accelerate_prepares_is_tracked(tmp_path):
+    """accelerate's users call track on what accelerator.prepare returns: the model, and the torch
+    optimizer inside its AcceleratedOptimizer."""
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(*tiny_model_and_optimizer())
+    with zl.track(model, optimizer.optimizer, out=tmp_path / "run", every=1):
+        for _ in range(2):
+            tokens = torch.randint(0, 32, (2, 4))
+            accelerator.backward(nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()))
+            optimizer.step()
+            optimizer.zero_grad()
+    rank = json.loads((tmp_path / "run" / "summary.json").read_text())["strategies"]["module"]["ranks"][0]
+    assert rank["sampled_steps"] == [0, 1] and rank["grad_bytes_after_backward"] == rank["param_bytes"] > 0
