@@ -24,6 +24,7 @@ class TorchDDP(ScaledStrategy):
     the default); those live in C++ and are not counted here as gradients.
     """
     name = "ddp"  # the registry names it
+    buckets_by_size = False  # adopted (zerolens.track): the buckets from DDP's logging data, not a hook
 
     def __init__(self, settings: TrainSettings):
         self.settings = settings
@@ -116,7 +117,7 @@ class TorchDDP(ScaledStrategy):
         return Holdings(param=params, grad=grads,
                         optimizer_state=optimizer_state_tensors(self.optimizer),
                         comm_buffer=list(self.bucket_buffers.values()),
-                        sized_comm_buffers=self.bucket_sizes_logged() if getattr(self, "buckets_by_size", False) else (),
+                        sized_comm_buffers=self.bucket_sizes_logged() if self.buckets_by_size else (),
                         grad_partition_elements=sum(g.numel() for g in grads))
 
     def teardown(self):

@@ -53,6 +53,8 @@ class TorchFSDP2(ScaledStrategy):
     ranks.
     """
 
+    groups_of_the_loop: int | None = None  # adopted (zerolens.track): the FSDP groups the loop's calls made
+
     def __init__(self, settings: TrainSettings, *, reshard_after_forward: bool):
         self.reshard_after_forward = reshard_after_forward
         self.name = "fsdp2"  # the registry names it
@@ -177,7 +179,7 @@ class TorchFSDP2(ScaledStrategy):
                 "gradient_accumulation": "reduce-scatter after every micro-batch, into the sharded gradients"}
 
     def notes(self):
-        if hasattr(self, "groups_of_the_loop"):  # adopted: the loop's own fully_shard calls made the groups
+        if self.groups_of_the_loop is not None:
             return [f"{self.name}: {self.groups_of_the_loop} FSDP parameter groups, as the loop's fully_shard calls "
                     "made them"]
         if not self.block_count:

@@ -122,6 +122,7 @@ class Tracker:
         self.activations: contextlib.ExitStack | None = None
         self.backward_depth = 0
         self.failed: str | None = None  # zerolens's own error in a hook, which ended the measuring
+        self.predictions: dict[int, dict] = {}  # each rank's retained bytes predicted (predicted_retained)
         self.started = time.time()
         self.out = run_folder_of_rank0(None if out is None else Path(out), overwrite)
         self._undo: list = []  # what puts the user's objects back as they were, at close
@@ -172,8 +173,7 @@ class Tracker:
             self.failed = f"zerolens.track stopped measuring at step {self.steps_done}: {type(error).__name__}: " \
                           f"{one_line_error(error)}"
             self._unhook()
-            (self.out / "logs").mkdir(exist_ok=True)
-            files.write_atomic(self.out / "logs" / f"rank{self.rank}.error", self.failed + "\n")
+            self._write_error_line(self.failed)
             print(f"zerolens: rank {self.rank}: {self.failed}; the training goes on", file=sys.stderr)
             return None
 
@@ -307,9 +307,7 @@ class Tracker:
             self._measuring(self._finish_record, True)
         self._unhook()
         if error is not None:
-            (self.out / "logs").mkdir(exist_ok=True)
-            files.write_atomic(self.out / "logs" / f"rank{self.rank}.error",
-                               f"{type(error).__name__}: {one_line_error(error)}\n")
+            self._write_error_line(f"{type(error).__name__}: {one_line_error(error)}")
             if self.rank == 0:
                 self._write_report(verdict="CRASHED")
             return
@@ -318,6 +316,11 @@ class Tracker:
         if self.rank == 0:
             summary = self._write_report(verdict="FINISHED")
             say(*tracked_terminal_lines(summary, self.out))
+
+    def _write_error_line(self, line: str) -> None:
+        """What ended this rank's measuring or its loop, in logs/rank<r>.error (the summary lists them)."""
+        (self.out / "logs").mkdir(exist_ok=True)
+        files.write_atomic(self.out / "logs" / f"rank{self.rank}.error", line + "\n")
 
     def _write_report(self, verdict: str) -> dict:
         summary = self.summary(verdict)
@@ -352,17 +355,10 @@ class Tracker:
         if why_not:
             notes.append(f"Retained memory not predicted: {why_not}.")
         else:
-            numels, shapes = parameter_sizes(self.strategy.module)
-            trainable = [p.requires_grad for p in self.strategy.module.parameters()]
-            settings, kept = self.strategy.settings, []
+            kept = []
             for rank in ranks:
-                predicted = registry.predict_retained(
-                    name, numels, self.world_size, rank["rank"], settings.precision,
-                    reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes,
-                    deepspeed=deepspeed_layout(versions().get("deepspeed")), weight_bytes=self.weight_bytes(),
-                    trainable=None if all(trainable) else trainable, param_groups=self.parameter_groups(),
-                    **self.stage3_threshold())
-                rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
+                predicted = self.predicted_retained(rank["rank"])
+                rank["predicted"] = dict(predicted)
                 if rank["grad_bytes_after_step"] and not predicted["grad_bytes_after_step"]:
                     # The strategy frees its gradients at the step's zero_grad; this loop zeroes them later
                     # (Lightning's after the next forward), so they live on through that forward.
@@ -383,6 +379,22 @@ class Tracker:
             "strategies": {name: {"ranks": ranks}},
             "seconds": time.time() - self.started,
         }
+
+    def predicted_retained(self, rank: int) -> dict:
+        """registry.predict_retained for `rank`, made once: rank 0 writes the summary after each of its
+        sampled steps, and neither the model nor the settings change in between."""
+        if rank not in self.predictions:
+            numels, shapes = parameter_sizes(self.strategy.module)
+            trainable = [p.requires_grad for p in self.strategy.module.parameters()]
+            settings = self.strategy.settings
+            predicted = registry.predict_retained(
+                self.strategy.name, numels, self.world_size, rank, settings.precision,
+                reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes,
+                deepspeed=deepspeed_layout(versions().get("deepspeed")), weight_bytes=self.weight_bytes(),
+                trainable=None if all(trainable) else trainable, param_groups=self.parameter_groups(),
+                **self.stage3_threshold())
+            self.predictions[rank] = {k: predicted[k] for k in RETAINED_KEYS}
+        return self.predictions[rank]
 
     def not_predicted(self) -> str | None:
         """Why the retained memory cannot be predicted here, or None: the layouts are those of the
