@@ -154,3 +154,39 @@ def test_an_unknown_model_type_is_one_short_line_with_the_closest_types(cli, tmp
     assert len(result.stderr.strip().splitlines()) == 1 and len(result.stderr.strip()) <= 100
     other = cli("estimate", "--model", "hf:notamodeltype")
     assert "(hf:gpt2, or a config.json?)" in other.stderr and len(other.stderr.strip()) <= 100, other.stderr
+
+
+def args_of_user_model(factory: str, batch: str):
+    import argparse
+    return argparse.Namespace(model=f"zerolens_test_models:{factory}", batch=f"zerolens_test_models:{batch}",
+                              width=None, depth=None, heads=None, seq_len=None, activation_checkpointing=False,
+                              compile=False)
+
+
+def test_a_causal_lm_from_a_factory_trains_on_its_own_loss():
+    """A factory may return a transformers causal LM as it is, and the batch give labels as the model
+    takes them (the input ids): zerolens reads its .logits and shifts the labels, so the loss it
+    trains on is the model's own, bit for bit."""
+    from zerolens.models.data import make_batch
+    from zerolens.models.model import build_model
+    from zerolens.run.flags import user_model_from_args
+    from zerolens.strategies import loss_of
+    config = user_model_from_args(args_of_user_model("tiny_llama", "llama_batch"))
+    assert config.shift_labels
+    model = build_model(config, seed=0)
+    tokens, targets = make_batch(config, 3, seed=0, batch_size=2, signal=0.0)
+    assert torch.equal(targets[:, :-1], tokens[:, 1:]) and (targets[:, -1] == -100).all()
+    own = model.lm(input_ids=tokens, labels=tokens).loss
+    assert torch.equal(loss_of(model(tokens), targets), own)
+
+
+def test_a_sequence_classifier_from_a_factory_keeps_its_labels():
+    """A transformers model that is not a causal LM: its .logits, the labels as they are."""
+    from zerolens.models.model import build_model
+    from zerolens.run.flags import user_model_from_args
+    from zerolens.strategies import loss_of
+    config = user_model_from_args(args_of_user_model("tiny_bert_classifier", "tiny_batch"))
+    assert not config.shift_labels
+    model = build_model(config, seed=0).eval()
+    tokens, labels = torch.randint(1024, (4, 8)), torch.tensor([0, 1, 2, 3])
+    assert torch.equal(loss_of(model(tokens), labels), model.model(tokens, labels=labels).loss)

@@ -146,6 +146,27 @@ def test_a_plain_module_is_tracked_on_the_sampled_steps(tmp_path, capsys):
     assert torch.autograd.backward.__module__ == "torch.autograd"
 
 
+def test_each_sampled_steps_figures_go_where_the_loop_logs(tmp_path):
+    """log_to: a TensorBoard SummaryWriter, or a function of (figures, step), gets rank 0's figures
+    of each sampled step, in MiB, at the step's number; the run folder is written as ever."""
+    from torch.utils.tensorboard import SummaryWriter
+    model, optimizer = tiny_model_and_optimizer()
+    writer, logged = SummaryWriter(tmp_path / "tb"), []
+    with zl.track(model, optimizer, out=tmp_path / "tb-run", every=2, log_to=writer):
+        train_steps(model, optimizer, 5)
+    writer.close()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=2, log_to=lambda *a: logged.append(a)):
+        train_steps(model, optimizer, 3)
+    rank = json.loads((tmp_path / "run" / "summary.json").read_text())["strategies"]["module"]["ranks"][0]
+    assert [step for _, step in logged] == [0, 2]
+    figures = logged[-1][0]
+    assert figures["zerolens/param_after_step_MiB"] == rank["param_bytes"] / 2**20
+    assert figures["zerolens/grad_after_backward_MiB"] == rank["grad_bytes_after_backward"] / 2**20
+    assert figures["zerolens/activation_after_forward_MiB"] > 0 and figures["zerolens/seconds_sampled_step"] > 0
+    assert tensorboard_scalars(tmp_path / "tb", "zerolens/param_after_step_MiB") == [
+        (step, pytest.approx(rank["param_bytes"] / 2**20)) for step in (0, 2, 4)]
+
+
 def test_an_evaluation_forward_is_not_a_training_phase(tmp_path):
     model, optimizer = tiny_model_and_optimizer()
     with zl.track(model, optimizer, out=tmp_path / "run", every=1):
@@ -175,6 +196,7 @@ def test_a_crash_in_the_loop_leaves_a_readable_partial_report(tmp_path):
     (lambda m, o, out: zl.track(m, None, out=out), "needs the optimizer"),
     (lambda m, o, out: zl.track("model", o, out=out), "cannot track a str"),
     (lambda m, o, out: zl.track(m, o, out=out, every=0), "every=0"),
+    (lambda m, o, out: zl.track(m, o, out=out, log_to="tb"), "log_to=str"),
 ])
 def test_what_cannot_be_tracked_is_said_in_one_line(tmp_path, call, message):
     model, optimizer = tiny_model_and_optimizer()
@@ -201,12 +223,12 @@ def test_a_folder_zerolens_did_not_make_is_left_alone(tmp_path):
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def torchrun(script: Path, *args: str) -> None:
+def torchrun(script: Path, *args: str, env: dict | None = None) -> None:
     """An example run as its docstring says, with torchrun on 2 CPU processes."""
     port = free_port()
     try:
         result = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                      str(port), str(script), *args], timeout=600, env={"OMP_NUM_THREADS": "1"})
+                      str(port), str(script), *args], timeout=600, env={"OMP_NUM_THREADS": "1", **(env or {})})
     finally:
         remove_deepspeed_shared_memory(port)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -227,12 +249,14 @@ def test_the_examples_loops_write_their_reports(tmp_path, script):
 def test_a_trainer_with_deepspeed_is_tracked_as_verify_measures_it(tmp_path):
     """A real transformers.Trainer with a DeepSpeed ZeRO-2 config (examples/track): with one AdamW
     parameter group, what track reports equals verify's figures for the same model and settings,
-    byte for byte; with the Trainer's own two groups, its figures are as predicted group by group."""
+    byte for byte; with the Trainer's own two groups, its figures are as predicted group by group,
+    and where the Trainer reports to TensorBoard, rank 0's figures go there too."""
     seq_len, steps = "32", "4"
     script = EXAMPLES / "track" / "hf_trainer_deepspeed.py"
     torchrun(script, "--out", str(tmp_path / "one"), "--steps", steps, "--every", "1", "--seq-len", seq_len,
              "--one-param-group")
-    torchrun(script, "--out", str(tmp_path / "two"), "--steps", steps, "--every", "2", "--seq-len", seq_len)
+    torchrun(script, "--out", str(tmp_path / "two"), "--steps", steps, "--every", "2", "--seq-len", seq_len,
+             "--report-to", "tensorboard", env={"TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")})
     result = zerolens("verify", "--model", f"hf:{EXAMPLES / 'hf' / 'llama-tiny.json'}", "--ds-config",
                       str(EXAMPLES / "track" / "ds_zero2.json"), "--strategies", "zero2", "--precision", "bf16",
                       "--micro-batch", "2", "--seq-len", seq_len, "--steps", steps, "--out", str(tmp_path / "verify"),
@@ -248,6 +272,23 @@ def test_a_trainer_with_deepspeed_is_tracked_as_verify_measures_it(tmp_path):
         assert {k: mine[k] for k in RETAINED_KEYS} == {k: theirs[k] for k in RETAINED_KEYS}
     two = json.loads((tmp_path / "two" / "summary.json").read_text())["strategies"]["zero2"]["ranks"]
     assert two[0]["optimizer_state_bytes"] == tracked[0]["optimizer_state_bytes"] + 4  # a step counter per group
+    # The Trainer logs at its global step (the steps done when each measured step's record was whole),
+    # under "train/" as it logs its own loss.
+    optimizer_states = tensorboard_scalars(tmp_path / "tb", "train/zerolens/optimizer_state_after_step_MiB")
+    assert [step for step, _ in optimizer_states] == [1, 3]
+    assert optimizer_states[-1][1] == pytest.approx(two[0]["optimizer_state_bytes"] / 2**20)
+
+
+def tensorboard_scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of every scalar `tag` in the TensorBoard event files under `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    scalars = []
+    for events in sorted({path.parent for path in folder.rglob("events.out.tfevents.*")}):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            scalars += [(event.step, event.value) for event in accumulator.Scalars(tag)]
+    return scalars
 
 
 @pytest.mark.slow
@@ -256,7 +297,8 @@ def test_a_lightning_trainer_is_tracked_through_its_callback(tmp_path):
     backward inside `step`, and zeroes the gradients only after the next forward; the phases are
     found all the same, and the gradients it keeps through that forward are predicted and said."""
     result = run([sys.executable, str(EXAMPLES / "track" / "lightning_loop.py"), "--out", str(tmp_path / "run"),
-                  "--steps", "5", "--every", "2"], timeout=600, env={"OMP_NUM_THREADS": "1"})
+                  "--steps", "5", "--every", "2", "--csv-logs", str(tmp_path / "csv")], timeout=600,
+                 env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["verdict"] == "FINISHED" and summary["strategy"] == "ddp"
@@ -265,6 +307,12 @@ def test_a_lightning_trainer_is_tracked_through_its_callback(tmp_path):
     assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"])
     assert all(r["grad_bytes_after_step"] == r["grad_bytes_after_backward"] > 0 for r in ranks)
     assert any("still held at the next step's forward" in note for note in summary["notes"])
+    # Rank 0's figures in the Trainer's logger too, at its global step.
+    import csv
+    logged = [row for row in csv.DictReader(next((tmp_path / "csv").rglob("metrics.csv")).open())
+              if row.get("zerolens/grad_after_backward_MiB")]
+    assert [int(row["step"]) for row in logged] == [1, 3, 5]
+    assert float(logged[-1]["zerolens/grad_after_backward_MiB"]) == ranks[0]["grad_bytes_after_backward"] / 2**20
 
 
 def test_an_error_of_zerolens_in_a_hook_ends_the_measuring_not_the_training(tmp_path, capsys):

@@ -63,8 +63,9 @@ def test_verify_a_model_with_frozen_parameters(tmp_path, model, trained):
 
 @pytest.mark.slow
 def test_verify_a_hugging_face_model_with_the_users_own_gradient_checkpointing(tmp_path):
-    """The tiny Llama with gradient_checkpointing_enable() called in the user's factory: recomputation
-    is traced as it runs, and every rank's peak is as predicted."""
+    """The tiny Llama as transformers builds it, with gradient_checkpointing_enable() called in the
+    user's factory and labels as its own loss takes them: recomputation is traced as it runs, and
+    every rank's peak is as predicted."""
     pytest.importorskip("transformers")
     assert peaks_checked(verified(tmp_path, "llama_with_checkpointing", "llama_batch", "ddp,fsdp2")) == 2 * 2
 

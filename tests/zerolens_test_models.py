@@ -133,35 +133,39 @@ def lora_classifier():
     return model
 
 
-class LogitsOnly(nn.Module):
-    """A Hugging Face causal LM returning its logits alone, as zerolens's contract asks."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens):
-        return self.lm(tokens).logits
-
-
-def llama_with_checkpointing():
-    """The tiny Llama of examples/hf with transformers' gradient checkpointing enabled by the user."""
+def tiny_llama():
+    """The tiny Llama of examples/hf, as transformers builds it: zerolens reads its .logits and shifts
+    the labels as its own loss does."""
     import json
     from pathlib import Path
 
     import transformers
     config = json.loads((Path(__file__).parent.parent / "examples" / "hf" / "llama-tiny.json").read_text())
-    lm = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+
+
+def llama_with_checkpointing():
+    """tiny_llama with transformers' gradient checkpointing enabled by the user."""
+    lm = tiny_llama()
     lm.gradient_checkpointing_enable()
-    return LogitsOnly(lm)
+    return lm
 
 
 def llama_batch(step, batch_size, seed):
-    """Next-token prediction on 16 random tokens of the tiny Llama's vocabulary (1024)."""
+    """16 random tokens of the tiny Llama's vocabulary (1024), with labels as a causal LM's own loss takes
+    them: the input ids."""
     import torch
     gen = torch.Generator().manual_seed(seed * 1000 + step)
-    tokens = torch.randint(1024, (batch_size, 17), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens = torch.randint(1024, (batch_size, 16), generator=gen)
+    return tokens, tokens.clone()
+
+
+def tiny_bert_classifier():
+    """A transformers sequence classifier (4 classes, as tiny_batch labels them), as transformers builds it."""
+    import transformers
+    config = transformers.BertConfig(vocab_size=1024, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64, num_labels=4)
+    return transformers.BertForSequenceClassification(config)
 
 
 def compiled_classifier():

@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--one-param-group", action="store_true")
+    parser.add_argument("--report-to", default="none", help="the Trainer's report_to (tensorboard, wandb, ...), where "
+                        "zerolens's figures of each measured step go too")
     args = parser.parse_args()
     config = AutoConfig.for_model(**json.loads((HERE.parent / "hf" / "llama-tiny.json").read_text()))
     torch.manual_seed(0)
@@ -56,7 +58,7 @@ def main() -> None:
     training = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="trainer-"), max_steps=args.steps,
                                  per_device_train_batch_size=args.micro_batch, learning_rate=1e-4, bf16=True,
                                  deepspeed=str(HERE / "ds_zero2.json"), use_cpu=not cuda,
-                                 ddp_backend=None if cuda else "gloo", report_to=[], save_strategy="no",
+                                 ddp_backend=None if cuda else "gloo", report_to=args.report_to, save_strategy="no",
                                  logging_steps=max(1, args.steps // 4), disable_tqdm=True)
     trainer = (OneParameterGroup if args.one_param_group else Trainer)(
         model=model, args=training, train_dataset=RandomTokens(config.vocab_size, args.seq_len))

@@ -8,6 +8,7 @@ import argparse
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from tiny_transformer import TinyTransformer, batch
 from torch import nn
 
@@ -45,12 +46,15 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", help="Lightning's strategy (ddp, deepspeed_stage_2 on GPUs, ...)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="measure every this many optimizer steps")
+    parser.add_argument("--csv-logs", default=None, help="a folder for Lightning's CSVLogger, where zerolens's "
+                        "figures of each measured step go too")
     args = parser.parse_args()
     torch.manual_seed(0)
     module = LanguageModel()
     gpus = torch.cuda.device_count() >= 2
     trainer = L.Trainer(accelerator="gpu" if gpus else "cpu", devices=2, strategy=args.strategy,
-                        precision="bf16-mixed" if gpus else "32-true", max_steps=args.steps, logger=False,
+                        precision="bf16-mixed" if gpus else "32-true", max_steps=args.steps,
+                        logger=CSVLogger(args.csv_logs) if args.csv_logs else False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[ZerolensCallback(out=args.out, every=args.every)])
     trainer.fit(module, torch.utils.data.DataLoader(RandomTokens(module.model), batch_size=4))

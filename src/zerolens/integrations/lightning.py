@@ -8,6 +8,9 @@ the DDP model, the DeepSpeed engine, the sharded module) and built the optimizer
 on_train_end; an exception in training ends it with a report that says which rank failed and how.
 Lightning steps its optimizers with a closure that runs forward and backward inside `step`; track
 finds the phases all the same.
+
+Rank 0's figures of each sampled step also go to the Trainer's loggers (TensorBoard, W&B, CSV, ...)
+at its global step; `log=False` keeps them in the run folder only.
 """
 from __future__ import annotations
 
@@ -17,14 +20,18 @@ from zerolens.tracking.track import EVERY, Tracker
 
 
 class ZerolensCallback(Callback):
-    def __init__(self, *, out=None, every: int = EVERY, overwrite: bool = False):
-        self.out, self.every, self.overwrite = out, every, overwrite
+    def __init__(self, *, out=None, every: int = EVERY, overwrite: bool = False, log: bool = True):
+        self.out, self.every, self.overwrite, self.log = out, every, overwrite, log
         self.tracker: Tracker | None = None
 
     def on_train_start(self, trainer, pl_module):
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+
+        def to_loggers(figures, step):
+            for logger in trainer.loggers:
+                logger.log_metrics(figures, step=trainer.global_step)
         self.tracker = Tracker(trainer.strategy.model, optimizer, out=self.out, every=self.every,
-                               overwrite=self.overwrite)
+                               overwrite=self.overwrite, log_to=to_loggers if self.log and trainer.loggers else None)
 
     def on_train_end(self, trainer, pl_module):
         self._close(None)

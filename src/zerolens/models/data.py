@@ -22,6 +22,7 @@ import inspect
 
 import torch
 
+from zerolens.models.hf import shift_labels
 from zerolens.models.model import ModelConfig, load_user_function
 
 
@@ -29,7 +30,8 @@ def make_batch(model: ModelConfig, step: int, *, seed: int, batch_size: int,
                signal: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step` for this model's task: (tokens, labels) on the CPU."""
     if model.kind == "user":
-        return user_batch(model.batch, step, seed=seed, batch_size=batch_size)
+        inputs, targets = user_batch(model.batch, step, seed=seed, batch_size=batch_size)
+        return (inputs, shift_labels(targets)) if model.shift_labels else (inputs, targets)
     if model.kind in ("gpt", "hf"):  # a Hugging Face causal LM learns the GPT presets' task
         return lm_batch(step, seed=seed, batch_size=batch_size, seq_len=model.seq_len,
                         vocab_size=model.vocab_size, signal=signal)

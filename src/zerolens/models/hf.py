@@ -8,14 +8,21 @@ The model zerolens trains is the causal LM wrapped to return its logits (`Causal
 zerolens's cross-entropy compares with the next tokens of the GPT presets' synthetic task (data.py),
 drawn from the model's own vocabulary. Activation checkpointing is transformers' own
 (gradient_checkpointing_enable, non-reentrant).
+
+A factory of --model module:factory may also return a transformers model as it is: zerolens uses its
+`.logits` (`TransformersLogits`), and where it is a causal LM, shifts the batch's labels as the
+model's own loss does (`shift_labels`): the user's batch gives (input ids, labels) as they would
+give them to the model.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -93,6 +100,54 @@ class CausalLMLogits(nn.Module):
     def forward(self, tokens):
         with as_in_the_real_run_when_fake(tokens):
             return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+class TransformersLogits(nn.Module):
+    """A transformers model of any task, as a user's factory returned it, returning only the `.logits`
+    of its output (a sequence classifier's (B, classes), a masked LM's (B, T, vocabulary))."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs):
+        with as_in_the_real_run_when_fake(inputs):
+            return self.model(inputs).logits
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """A transformers PreTrainedModel. Asked without importing transformers: a model transformers
+    built has imported it already."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def is_causal_lm(module: nn.Module) -> bool:
+    """A transformers model whose own loss shifts its labels (ForCausalLMLoss): a class the Auto
+    mapping of causal LMs names, or one named like them (a model of remote code)."""
+    if not is_transformers_model(module):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = type(module).__name__
+    named = {n for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for n in ((names,) if isinstance(names, str) else names)}
+    return name in named or name.endswith("ForCausalLM")
+
+
+def logits_of(model: nn.Module) -> nn.Module:
+    """A user's model as zerolens trains it: a transformers model wrapped to return its logits
+    (a causal LM without a KV cache), anything else as it is."""
+    if is_causal_lm(model):
+        return CausalLMLogits(model)
+    return TransformersLogits(model) if is_transformers_model(model) else model
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels given as a causal LM's own loss takes them (the input ids, -100 where ignored), aligned
+    with its logits as that loss aligns them (transformers' ForCausalLMLoss): position t predicts
+    label t + 1, and the last position, with nothing to predict, is ignored (-100, cross-entropy's
+    ignore_index)."""
+    return nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
 
 
 @contextmanager

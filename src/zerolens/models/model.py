@@ -26,6 +26,9 @@ class ModelConfig:
     # a function batch(step, batch_size, seed) -> (inputs, targets); see load_user_function.
     factory: str = ""
     batch: str = ""
+    # kind "user" whose factory returns a transformers causal LM: the batch's targets are its labels
+    # as the model's own loss takes them, shifted as that loss shifts them (hf.shift_labels).
+    shift_labels: bool = False
     # kind "hf" (--model hf:...): the Hugging Face configuration as JSON (hf.py), its depth num_layers.
     hf_config: str = ""
     vocab_size: int = 1000
@@ -275,11 +278,21 @@ def load_user_function(spec: str):
 
 def user_model(config: ModelConfig) -> nn.Module:
     """Your model, from --model module:factory: built for one device, fp32. Its output are logits
-    (..., classes) that zerolens compares with the integer targets of your batch function."""
+    (..., classes) that zerolens compares with the integer targets of your batch function; a
+    transformers model's output is read for its `.logits` (hf.logits_of)."""
+    from zerolens.models.hf import logits_of
     model = load_user_function(config.factory)()
     if not isinstance(model, nn.Module):
         raise ValueError(f"{config.factory} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return logits_of(model)
+
+
+def returns_causal_lm(factory: str) -> bool:
+    """Whether the factory (module:function) returns a transformers causal LM, built on the meta device
+    to tell."""
+    from zerolens.models.hf import is_causal_lm
+    with torch.device("meta"):
+        return is_causal_lm(load_user_function(factory)())
 
 
 def training_flops_per_token(config: ModelConfig, params: int) -> int | None:

@@ -9,10 +9,10 @@ import os
 
 import torch
 
-from zerolens.errors import UserError
+from zerolens.errors import UserError, one_line_error
 from zerolens.models.hf import PREFIX as HF_PREFIX
 from zerolens.models.hf import model_config_fields
-from zerolens.models.model import PRESETS, ModelConfig
+from zerolens.models.model import PRESETS, ModelConfig, load_user_function, returns_causal_lm
 from zerolens.run.config import RunConfig
 from zerolens.run.deepspeed_config import deepspeed_zero_setting, ds_config_from_file, ds_override_from_json
 from zerolens.run.validate import check_config
@@ -171,14 +171,23 @@ def hf_model_from_args(args: argparse.Namespace) -> ModelConfig:
 
 
 def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """--model module:factory with --batch module:function (check_config runs them)."""
+    """--model module:factory with --batch module:function, the factory built on the meta device to tell
+    whether it returns a transformers causal LM, whose labels are shifted (check_config runs both)."""
     if not args.batch:
         raise UserError("--model needs --batch module:function: how zerolens makes inputs and targets (README)")
     if any(v is not None for v in (args.width, args.depth, args.heads, args.seq_len)) or args.activation_checkpointing \
             or args.compile:
         raise UserError("--width/--depth/--heads/--seq-len/--activation-checkpointing/--compile change a preset, "
                         "not a --model")
-    return ModelConfig(kind="user", factory=args.model, batch=args.batch)
+    try:
+        load_user_function(args.model)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    try:
+        causal_lm = returns_causal_lm(args.model)
+    except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
+        raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
+    return ModelConfig(kind="user", factory=args.model, batch=args.batch, shift_labels=causal_lm)
 
 
 def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:

@@ -96,8 +96,8 @@ def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> No
         raise
     if not isinstance(output, torch.Tensor):
         raise UserError(f"--model {model.factory}: the model returned a {type(output).__name__}; zerolens needs "
-                        "its logits as one tensor (..., classes): return them alone (e.g. `.logits` or `[0]` of "
-                        "a Hugging Face output, in a small wrapper module)")
+                        "its logits as one tensor (..., classes): return them alone (e.g. `[0]` of a tuple, in a "
+                        "small wrapper module; a transformers model may be returned as it is)")
     try:
         loss_of(output, targets.to("meta"))
     except Exception as e:

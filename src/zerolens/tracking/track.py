@@ -19,6 +19,10 @@ Each rank appends its sampled steps to metrics_rank<r>.jsonl in the run folder a
 then rewrites summary.json and report.md from every rank's file (unfinished until track exits), so
 a crash leaves a readable partial report. At exit the ranks wait for each other and rank 0 writes the
 final report and prints one short table.
+
+With `log_to` (a TensorBoard SummaryWriter, a W&B run, a Lightning logger, or a function of
+(figures, step)), rank 0 also logs its own figures of each sampled step there, under "zerolens/"
+(`logged_figures`); the run folder keeps every rank's.
 """
 from __future__ import annotations
 
@@ -44,18 +48,21 @@ from zerolens.run.folder import default_run_folder, new_run_folder
 from zerolens.run.worker import append_metrics, git_commit, versions
 from zerolens.strategies import registry
 from zerolens.strategies.layout import RETAINED_KEYS, deepspeed_layout
+from zerolens.units import MiB
 
 EVERY = 50  # sampled steps: the first and every 50th after it
 
 
 @contextlib.contextmanager
-def track(trained, optimizer=None, *, out: str | Path | None = None, every: int = EVERY, overwrite: bool = False):
+def track(trained, optimizer=None, *, out: str | Path | None = None, every: int = EVERY, overwrite: bool = False,
+          log_to=None):
     """Measures the user's training loop inside the block on every rank (see the module's docstring).
     `trained`: the model the loop trains (plain, DDP-wrapped or under fully_shard) or a DeepSpeed
     engine; `optimizer`: its optimizer (a DeepSpeed engine has its own); `out`: the run folder
-    (runs/<time> by default; an existing one only with `overwrite`, and only if zerolens made it).
+    (runs/<time> by default; an existing one only with `overwrite`, and only if zerolens made it);
+    `log_to`: where rank 0 logs its figures of each sampled step too (see `figures_sink`).
     Yields the Tracker. Every rank must enter it."""
-    tracker = Tracker(trained, optimizer, out=out, every=every, overwrite=overwrite)
+    tracker = Tracker(trained, optimizer, out=out, every=every, overwrite=overwrite, log_to=log_to)
     try:
         yield tracker
     except BaseException as error:
@@ -96,10 +103,56 @@ def parameter_sizes(module: nn.Module) -> tuple[list[int], list[tuple[int, ...]]
     return numels, shapes
 
 
+def figures_sink(log_to):
+    """`log_to` as a function of (figures, step), None for None. Told apart by what each offers:
+    a TensorBoard SummaryWriter (torch.utils.tensorboard or tensorboardX) its add_scalar, a
+    Lightning logger its log_metrics, W&B (the wandb module or a run) its log, with commit=False so
+    that the figures join the row of the loop's own next log without moving W&B's step (they carry
+    their own, "zerolens/step"); or a function of (figures, step)."""
+    if log_to is None:
+        return None
+    if hasattr(log_to, "add_scalar"):
+        def to_tensorboard(figures, step):
+            for name, value in figures.items():
+                log_to.add_scalar(name, value, global_step=step)
+            log_to.flush()  # the figures survive a crash of the loop
+        return to_tensorboard
+    if hasattr(log_to, "log_metrics"):
+        return lambda figures, step: log_to.log_metrics(figures, step=step)
+    if "wandb" in (getattr(log_to, "__name__", ""), type(log_to).__module__.split(".")[0]):
+        defined = []
+
+        def to_wandb(figures, step):
+            if not defined:
+                defined.append(log_to.define_metric("zerolens/*", step_metric="zerolens/step"))
+            log_to.log({**figures, "zerolens/step": step}, commit=False)
+        return to_wandb
+    if callable(log_to):
+        return log_to
+    raise UserError(f"zerolens.track: log_to={type(log_to).__name__}; give a TensorBoard SummaryWriter, a W&B run, "
+                    "a Lightning logger or a function of (figures, step)")
+
+
+def logged_figures(record: dict) -> dict[str, float]:
+    """What a sampled step logs: the activations forward saved, each component's holding after
+    backward and after the step, each phase's allocator peak and reserve (CUDA) and what the process
+    holds outside the allocator (CUDA), all in MiB; and the step's seconds."""
+    figures = {}
+    for key, value in record.items():
+        measured = key.endswith(("_bytes_after_forward", "_bytes_after_backward", "_bytes_after_step")) or \
+            key.startswith(("peak_during_", "reserved_peak_during_", "outside_allocator_"))
+        if measured and isinstance(value, int):
+            figures[f"zerolens/{key.replace('_bytes', '')}_MiB"] = value / MiB
+    figures["zerolens/seconds_sampled_step"] = record["seconds_sampled_step"]
+    return figures
+
+
 class Tracker:
-    def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool):
+    def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool, log_to=None):
         if not isinstance(every, int) or every < 1:
             raise UserError(f"zerolens.track: every={every!r}; give a whole number of steps, 1 or more")
+        log_figures = figures_sink(log_to)  # on every rank: a UserError must end them all
+        self.log_figures = log_figures if world()[0] == 0 else None
         if any(c.__name__ == "FullyShardedDataParallel" for c in type(trained).__mro__):
             raise UserError("zerolens.track: FSDP1 (FullyShardedDataParallel) is not measured; FSDP2 (fully_shard) is")
         strategy = registry.adopt(trained, optimizer)
@@ -294,9 +347,11 @@ class Tracker:
         self.backward_undo()
         self.backward_undo = None
         append_metrics(self.out, self.rank, [self.record])
-        self.record, self.after_step_pending = None, False
+        record, self.record, self.after_step_pending = self.record, None, False
         if self.rank == 0:
             self._write_report(verdict="UNFINISHED")
+            if self.log_figures is not None:
+                self.log_figures(logged_figures(record), record["step"])
 
     # --- The end -------------------------------------------------------------------------------------
     def close(self, error: BaseException | None) -> None:
