@@ -307,5 +307,12 @@ def training_flops_per_token(config: ModelConfig, params: int) -> int | None:
     return 6 * (params - embeddings) + 12 * config.num_layers * config.d_model * config.seq_len
 
 
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss zerolens trains every model on: cross-entropy in fp32, for a classifier ((B, C) logits,
+    (B,) labels) and a language model ((B, T, V) logits, (B, T) labels) alike; labels of -100 are
+    ignored (hf.shift_labels)."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from zerolens.models.hf import grouped_mm_of_any_float
 from zerolens.models.model import (
     ModelConfig,
     compiled,
@@ -285,34 +286,6 @@ def fake_process_group(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def grouped_mm_of_any_float():
-    """torch's meta kernel of _grouped_mm (the experts of Hugging Face's mixture-of-experts models)
-    takes bf16 inputs only, the CPU's and CUDA's kernels also fp32 and fp16 (their fallback), which is
-    what a model trained in fp32 under autocast gives them (DDP's, on fake tensors: "Expected inputs of
-    BF16 type"). For the trace, an unscaled product of such inputs gets its output as the meta kernel
-    makes it, in the inputs' dtype."""
-    from torch import _meta_registrations as meta
-    strict = getattr(meta, "_meta_grouped_mm_common", None)
-    if strict is None or not hasattr(meta, "_create_grouped_mm_output_tensor"):  # a torch without them
-        yield
-        return
-
-    def of_any_float(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
-                     **kwargs):
-        if scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype and mat_a.dtype in (
-                torch.float32, torch.float16):
-            return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
-        return strict(mat_a, mat_b, scale_a, scale_b, offs=offs, bias=bias, scale_result=scale_result,
-                      out_dtype=out_dtype, **kwargs)
-
-    meta._meta_grouped_mm_common = of_any_float
-    try:
-        yield
-    finally:
-        meta._meta_grouped_mm_common = strict
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import os
 from statistics import median
 
 from zerolens.models.data import make_batch
-from zerolens.models.model import training_flops_per_token
+from zerolens.models.flops import flops_per_token
 from zerolens.report.tables import SCHEMA_VERSION, markdown_table
 from zerolens.strategies import registry
 from zerolens.strategies.base import PHASES
@@ -102,7 +102,8 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
     tokens_per_step = config.grad_accum * (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
                                                       signal=config.signal)[0].numel()
                                            if config.model.kind == "user" else global_batch * config.model.seq_len)
-    flops_per_token = training_flops_per_token(config.model, params)
+    counted = flops_per_token(config.model, params, micro_batch=config.micro_batch, seed=config.seed)
+    per_token = counted["flops_per_token"]  # None: not counted (counted["flop_count"] says why)
     peak_tflops, peak_source = config.peak_tflops, "--peak-tflops"
     if peak_tflops is None:
         peak_tflops = datasheet_peak(device_name, config.precision) if config.device == "cuda" else None
@@ -113,7 +114,7 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
         # A data-parallel step ends when its slowest rank does.
         step_seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
         step_time = median(step_seconds[config.warmup_steps:])
-        tflops = flops_per_token * tokens_per_step / config.nproc / step_time / 1e12 if flops_per_token else None
+        tflops = per_token * tokens_per_step / config.nproc / step_time / 1e12 if per_token else None
         peaks = [r["peak_bytes"] for r in per_rank]
         # Another launcher ran it after a strategy that left memory allocated: that memory is in these
         # peaks, which are then kept aside under a name that says so, never reported as its own.
@@ -150,9 +151,7 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
             "params": params, "micro_batch": config.micro_batch, "grad_accum": config.grad_accum,
             "tokens_per_step": tokens_per_step,
             "warmup_steps": config.warmup_steps, "timed_steps": config.steps,
-            "flops_per_token": flops_per_token,
-            "flop_count": "6 x (parameters - embedding tables) + 12 x layers x width x sequence per token "
-                          "(Megatron-LM / PaLM appendix B; attention counted as if not causal)",
+            "flops_per_token": per_token, "flop_count": counted["flop_count"],
             "peak_tflops": peak_tflops, "peak_tflops_source": peak_source,
             "versions": versions, "strategies": strategies}
 
@@ -171,8 +170,10 @@ def render_bench(summary: dict, command: str) -> str:
     table = markdown_table(["strategy", "step (ms, median)", f"vs {REFERENCE}", "tokens/s", "TFLOP/s per rank", "MFU",
                             "peak per rank (GiB, max)", f"vs {REFERENCE}", "peak predicted before training (GiB, error)",
                             "loss"], rows)
-    flops = (f"FLOPs per token {summary['flops_per_token']:,}: {summary['flop_count']}." if summary["flops_per_token"]
-             else "FLOPs: not known for a user's model (no TFLOP/s or MFU); tokens are its input elements.")
+    flops = (f"FLOPs per token {summary['flops_per_token']:,.0f}: {summary['flop_count']}." if summary["flops_per_token"]
+             else f"FLOPs {summary['flop_count']} (no TFLOP/s or MFU).")
+    if summary["model"].get("kind") == "user":
+        flops += " A token is one element of the model's inputs."
     accumulated = (f" x {summary['grad_accum']} micro-batches per step (gradient accumulation)"
                    if summary.get("grad_accum", 1) > 1 else "")
     mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."

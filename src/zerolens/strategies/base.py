@@ -54,12 +54,6 @@ def engine_inputs(inputs: torch.Tensor, device: torch.device, dtype: torch.dtype
     return inputs.to(device, dtype=dtype) if inputs.is_floating_point() else inputs.to(device)
 
 
-def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in fp32 for a classifier ((B, C) logits, (B,) labels) and a language model
-    ((B, T, V) logits, (B, T) labels) alike."""
-    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-
-
 def on_device(model: nn.Module, device: torch.device) -> nn.Module:
     """The model on `device`; left as it is when it is there already (the peak prediction's fake
     parameters cannot be moved, not even to where they are)."""

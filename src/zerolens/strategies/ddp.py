@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings, optimizer_state_tensors, required, required_key
+from zerolens.models.model import loss_of
 from zerolens.strategies.base import (
     DTYPES,
     ScaledStrategy,
     TrainSettings,
-    loss_of,
     on_device,
     scaled_step_without_reading_values,
 )

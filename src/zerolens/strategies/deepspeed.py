@@ -11,7 +11,8 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerolens.measure.census import Holdings, MeasurementError, optimizer_state_tensors, required
-from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs, loss_of
+from zerolens.models.model import loss_of
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs
 
 # runtime/engine.py's MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce buckets after backward close
 # once they hold more than this many elements (allreduce_no_retain).

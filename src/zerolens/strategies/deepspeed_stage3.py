@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings
-from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs, loss_of
+from zerolens.models.model import loss_of
+from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs
 from zerolens.strategies.deepspeed import DeepSpeedZero, torch_adamw
 
 NOT_AVAILABLE, IN_FLIGHT, AVAILABLE = "not available", "in flight", "available"  # ZeroParamStatus

@@ -6,11 +6,11 @@ from torch import nn
 
 from zerolens.measure.census import Holdings, optimizer_state_tensors, required
 from zerolens.measure.tracker import dtensor_shapes_untraced
+from zerolens.models.model import loss_of
 from zerolens.strategies.base import (
     DTYPES,
     ScaledStrategy,
     TrainSettings,
-    loss_of,
     on_device,
     scaled_step_without_reading_values,
 )
