@@ -1,6 +1,8 @@
 """`zerolens bench` end to end on 2 CPU processes, and the GPT preset's task."""
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,16 +33,23 @@ def test_bench_writes_json_table_and_plot(bench_run):
     assert bench["preset"] == "gpt-tiny" and bench["timed_steps"] == 10 and bench["warmup_steps"] == 3
     assert bench["tokens_per_step"] == 8 * 2 * 64
     assert bench["peak_tflops"] == 1 and bench["peak_tflops_source"] == "--peak-tflops"
+    # Three rounds by default, interleaved, each strategy of each round in processes of its own.
+    assert bench["rounds_run"] == 3
+    assert [(r["round"], r["strategy"]) for r in bench["rounds"]] == [
+        (k, name) for k in (1, 2, 3) for name in ("ddp", "zero2")]
+    assert len({tuple(r["process_ids"]) for r in bench["rounds"]}) == 6
     for name in ("ddp", "zero2"):
         s = bench["strategies"][name]
-        assert len(s["step_times_s"]) == 10 and s["step_time_s"] > 0
+        assert len(s["step_times_s"]) == 3 * 10 and s["step_time_s"] > 0
+        assert s["round_step_times_s"] == [r["step_time_s"] for r in bench["rounds"] if r["strategy"] == name]
         assert s["tokens_per_s"] == pytest.approx(bench["tokens_per_step"] / s["step_time_s"])
         assert s["mfu"] == pytest.approx(s["tflops_per_gpu"] / 1)
         # The CPU's peak: the last warm-up step's, followed tensor by tensor, beside the last traced step's.
         assert s["peak_bytes"] > 0 and abs(s["peak_prediction_error"]) < 0.01, s
         assert [r["phase"] for r in s["phase_peaks"]] == ["forward", "backward", "step"] * 2
         assert all(abs(r["error"]) < 0.01 for r in s["phase_peaks"]), s["phase_peaks"]
-        assert set(s["vs_ddp"]) == {"step_time", "peak_bytes"}
+        assert set(s["vs_ddp"]) == {"step_time", "step_time_range", "step_time_rounds", "step_time_differs",
+                                    "peak_bytes"}
         assert len(s["losses"]) == 13
     # TFLOP/s from the model's own FLOP count, recomputed here.
     config = PRESETS["gpt-tiny"]
@@ -49,7 +58,9 @@ def test_bench_writes_json_table_and_plot(bench_run):
     for s in bench["strategies"].values():
         assert s["tflops_per_gpu"] == pytest.approx(flops * bench["tokens_per_step"] / 2 / s["step_time_s"] / 1e12)
     zero2, ddp = bench["strategies"]["zero2"], bench["strategies"]["ddp"]
-    assert zero2["vs_ddp"]["step_time"] == pytest.approx(zero2["step_time_s"] / ddp["step_time_s"])
+    ratios = [a / b for a, b in zip(zero2["round_step_times_s"], ddp["round_step_times_s"])]
+    assert zero2["vs_ddp"]["step_time"] == pytest.approx(sorted(ratios)[1])
+    assert zero2["vs_ddp"]["step_time_range"] == pytest.approx([min(ratios), max(ratios)])
     # Same model, data and seed: the two strategies' losses agree (bf16).
     assert max(abs(a - b) for a, b in zip(bench["strategies"]["ddp"]["losses"],
                                           bench["strategies"]["zero2"]["losses"])) < 0.05
@@ -146,14 +157,14 @@ def test_bench_shows_each_ranks_phase_peaks_beside_the_prediction():
                 **{f"peak_during_{p}": v * scale for p, v in measured.items()}}
     phases = {f"peak_during_{p}": v * 1.01 for p, v in measured.items()}
     predicted = {"ddp": {"ranks": [phases | {"peak_bytes": 2020, "last_step": phases} for _ in range(2)]}}
-    summary = bench_summary(config, [[rank_result(1)], [rank_result(2)]], 10_000, "NVIDIA H200", {}, predicted)
+    summary = bench_summary(config, [[[rank_result(1)], [rank_result(2)]]], 10_000, "NVIDIA H200", {}, predicted)
     rows = summary["strategies"]["ddp"]["phase_peaks"]
     assert len(rows) == 2 * 3 and rows[1] == {"rank": 0, "phase": "backward", "measured_bytes": 2000,
                                              "predicted_bytes": 2020.0, "error": pytest.approx(0.01)}
     assert rows[4]["measured_bytes"] == 4000 and rows[4]["error"] == pytest.approx(2020 / 4000 - 1)
     text = render_bench(summary, "zerolens bench")
     assert "Peaks per phase, predicted before training and measured" in text and "| ddp | 1 | step |" in text
-    cpu = bench_summary(dataclasses.replace(config, device="cpu"), [[rank_result(1)], [rank_result(1)]], 10_000,
+    cpu = bench_summary(dataclasses.replace(config, device="cpu"), [[[rank_result(1)], [rank_result(1)]]], 10_000,
                         "cpu", {}, predicted)
     assert cpu["strategies"]["ddp"]["phase_peaks"] == [] and "Peaks per phase" not in render_bench(cpu, "x")
 
@@ -175,10 +186,46 @@ def test_bench_sets_the_reserved_peak_beside_the_allocator_models(monkeypatch):
                                     **{f"peak_during_{p}": 2000 for p in ("forward", "backward", "step")}}] * 2}}
     for conf, predicted_reserved in (("", 4 * GIB), ("expandable_segments:True", 3 * GIB)):
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-        summary = bench_summary(config, [[rank_result(3 * GIB)], [rank_result(5 * GIB)]], 10_000, "NVIDIA H200", {},
+        summary = bench_summary(config, [[[rank_result(3 * GIB)], [rank_result(5 * GIB)]]], 10_000, "NVIDIA H200", {},
                                 predicted)
         ddp = summary["strategies"]["ddp"]
         assert ddp["reserved_peak_bytes"] == 5 * GIB and ddp["predicted_reserved_peak_bytes"] == predicted_reserved
         assert ddp["reserved_prediction_error"] == pytest.approx(predicted_reserved / (5 * GIB) - 1)
         text = " ".join(render_bench(summary, "zerolens bench").split())
         assert f"ddp 5.000 GiB measured, {predicted_reserved / GIB:.3f} predicted" in text
+
+
+def test_a_ratio_is_the_median_of_the_rounds_with_their_range():
+    """Three rounds of ddp and zero2 on one rank: zero2's round medians against ddp's of the same round
+    give its ratio (their median) and range; a range that holds 1.0 is "no difference", one that does
+    not is a difference, and the steps of every round are pooled for the step time."""
+    from zerolens.models.model import PRESETS
+    from zerolens.report.bench import bench_summary, bench_terminal_lines, render_bench
+    from zerolens.run.config import RunConfig
+    config = RunConfig(strategies=("ddp", "zero2"), baseline="ddp", nproc=1, device="cuda", precision="bf16", steps=3,
+                       warmup_steps=1, job="bench", preset="gpt-tiny", model=PRESETS["gpt-tiny"], rounds=3)
+
+    def result(name, step):
+        return {"name": name, "process_id": 100, "seconds": [9.0] + [step] * 3, "losses": [6.0], "settings": {},
+                "notes": [], "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0}
+
+    def summary_of(zero2_steps):
+        rounds = [[[result("ddp", 1.0), result("zero2", step)]] for step in zero2_steps]
+        return bench_summary(config, rounds, 10_000, "NVIDIA H200", {})
+
+    mixed = summary_of([0.95, 1.02, 1.10])
+    vs = mixed["strategies"]["zero2"]["vs_ddp"]
+    assert vs["step_time"] == pytest.approx(1.02) and vs["step_time_range"] == pytest.approx([0.95, 1.10])
+    assert vs["step_time_differs"] is False
+    assert mixed["strategies"]["zero2"]["step_time_s"] == pytest.approx(1.02)  # the median of the 9 pooled steps
+    assert [(r["round"], r["strategy"]) for r in mixed["rounds"]] == [(1, "ddp"), (1, "zero2"), (2, "ddp"),
+                                                                     (2, "zero2"), (3, "ddp"), (3, "zero2")]
+    assert "| zero2 | 1020.0 | 1.020 (0.950-1.100), no difference |" in render_bench(mixed, "zerolens bench")
+    slower = summary_of([1.20, 1.25, 1.30])["strategies"]["zero2"]["vs_ddp"]
+    assert slower["step_time"] == pytest.approx(1.25) and slower["step_time_differs"] is True
+    from rich.console import Console
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))
+    for line in bench_terminal_lines(summary_of([1.20, 1.25, 1.30]), Path("out")):
+        console.print(line)
+    text = console.export_text()
+    assert "1.25 (1.20-1.30)" in text and "x 3 interleaved rounds" in text

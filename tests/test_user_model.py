@@ -100,7 +100,8 @@ def test_estimate_refuses_what_it_does_not_model(cli, model):
 @pytest.mark.slow
 def test_bench_a_user_model(tmp_path):
     out = tmp_path / "bench"
-    result = zerolens("bench", *USER, "--warmup", "1", "--steps", "2", "--out", str(out), timeout=300, env=ENV)
+    result = zerolens("bench", *USER, "--warmup", "1", "--steps", "2", "--rounds", "1", "--out", str(out), timeout=300,
+                      env=ENV)
     assert result.returncode == 0, result.stdout + result.stderr
     bench = json.loads((out / "bench.json").read_text())
     assert bench["flops_per_token"] > 0 and "torch.utils.flop_counter" in bench["flop_count"]

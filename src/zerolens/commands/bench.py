@@ -21,6 +21,9 @@ def add_parser(subparsers) -> None:
                                           "a warm-up and report throughput, MFU and peak memory, with ratios to DDP.")
     add_verify_arguments(p)
     add_bench_arguments(p)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every strategy, interleaved (A B, A B, ...), each strategy in its own processes; "
+                        "a ratio to DDP is the median over the rounds, with their range (default 3)")
     p.set_defaults(func=command, job="bench", steps=10, strategies=",".join(registry.BENCH_DEFAULT), preset=None)
 
 

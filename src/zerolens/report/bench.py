@@ -93,10 +93,13 @@ def phase_peaks(config, per_rank: list[dict], prediction: dict | None, earlier: 
     return rows
 
 
-def bench_summary(config, gathered: list[list[dict]], params: int, device_name: str,
+def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_name: str,
                   versions: dict, predicted: dict | None = None) -> dict:
-    """gathered[rank][i]: rank's result for config.strategies[i]. `predicted`: the run's
-    predicted_peaks.json (predict.peak.predicted_peaks), made before training."""
+    """rounds[k][rank][i]: rank's result for config.strategies[i] in round k (each round ran every
+    strategy, in its own processes). Step times are pooled over the rounds; each ratio to the reference
+    is the median of the rounds' ratios (each round's median step against the reference's in the same
+    round), with their range. Memory is the first round's: every round allocates alike. `predicted`:
+    the run's predicted_peaks.json (predict.peak.predicted_peaks), made before training."""
     global_batch = config.micro_batch * config.nproc  # of one micro-batch; a step has config.grad_accum of them
     # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
     tokens_per_step = config.grad_accum * (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
@@ -108,12 +111,13 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
     if peak_tflops is None:
         peak_tflops = datasheet_peak(device_name, config.precision) if config.device == "cuda" else None
         peak_source = f"NVIDIA datasheet, {device_name}, dense {config.precision}" if peak_tflops else None
+    timed = {name: [round_steps(config, [gathered[r][i] for r in range(config.nproc)]) for gathered in rounds]
+             for i, name in enumerate(config.strategies)}
     strategies = {}
     for i, name in enumerate(config.strategies):
-        per_rank = [gathered[r][i] for r in range(config.nproc)]
-        # A data-parallel step ends when its slowest rank does.
-        step_seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
-        step_time = median(step_seconds[config.warmup_steps:])
+        per_rank = [rounds[0][r][i] for r in range(config.nproc)]
+        step_times = [t for steps in timed[name] for t in steps["timed"]]
+        step_time = median(step_times)
         tflops = per_token * tokens_per_step / config.nproc / step_time / 1e12 if per_token else None
         peaks = [r["peak_bytes"] for r in per_rank]
         # Another launcher ran it after a strategy that left memory allocated: that memory is in these
@@ -123,8 +127,9 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
         reserved_peaks = [r.get("reserved_peak_bytes") for r in per_rank]
         reserved = max(reserved_peaks) if None not in reserved_peaks and not earlier else None
         strategies[name] = {
-            "step_time_s": step_time, "step_times_s": step_seconds[config.warmup_steps:],
-            "warmup_step_times_s": step_seconds[:config.warmup_steps],
+            "step_time_s": step_time, "step_times_s": step_times,
+            "warmup_step_times_s": timed[name][0]["warmup"],
+            "round_step_times_s": [median(steps["timed"]) for steps in timed[name]],
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
             "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
             "peak_bytes": peak,
@@ -143,24 +148,46 @@ def bench_summary(config, gathered: list[list[dict]], params: int, device_name: 
     for s in strategies.values():
         ref = strategies.get(REFERENCE)
         s[VS] = None if ref is None else {
-            "step_time": s["step_time_s"] / ref["step_time_s"],
+            **step_time_ratio(s["round_step_times_s"], ref["round_step_times_s"]),
             "peak_bytes": s["peak_bytes"] / ref["peak_bytes"] if s["peak_bytes"] and ref["peak_bytes"] else None}
     return {"schema_version": SCHEMA_VERSION, "device": config.device, "device_name": device_name,
             "world_size": config.nproc,
             "precision": config.precision, "preset": config.preset, "model": config.to_json()["model"],
             "params": params, "micro_batch": config.micro_batch, "grad_accum": config.grad_accum,
             "tokens_per_step": tokens_per_step,
-            "warmup_steps": config.warmup_steps, "timed_steps": config.steps,
+            "warmup_steps": config.warmup_steps, "timed_steps": config.steps, "rounds_run": len(rounds),
             "flops_per_token": per_token, "flop_count": counted["flop_count"],
             "peak_tflops": peak_tflops, "peak_tflops_source": peak_source,
-            "versions": versions, "strategies": strategies}
+            "versions": versions, "strategies": strategies,
+            "rounds": [{"round": k + 1, "strategy": name, "step_time_s": median(timed[name][k]["timed"]),
+                        "step_times_s": timed[name][k]["timed"], "warmup_step_times_s": timed[name][k]["warmup"],
+                        "process_ids": [rounds[k][rank][i].get("process_id") for rank in range(config.nproc)]}
+                       for k in range(len(rounds)) for i, name in enumerate(config.strategies)]}
+
+
+def round_steps(config, per_rank: list[dict]) -> dict[str, list[float]]:
+    """One strategy's step times in one round: a data-parallel step ends when its slowest rank does;
+    the warm-up steps apart from the timed ones."""
+    seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
+    return {"warmup": seconds[:config.warmup_steps], "timed": seconds[config.warmup_steps:]}
+
+
+def step_time_ratio(mine: list[float], reference: list[float]) -> dict:
+    """A strategy's step time against the reference's: the median of the rounds' ratios (each round's
+    median against the reference's of the same round) and their range; a range that holds 1.0 is no
+    measurable difference (`step_time_differs` False), as is a ratio of one round alone (None: not
+    known)."""
+    ratios = [a / b for a, b in zip(mine, reference, strict=True)]
+    low, high = min(ratios), max(ratios)
+    return {"step_time": median(ratios), "step_time_range": [low, high], "step_time_rounds": ratios,
+            "step_time_differs": None if len(ratios) < 2 else not low <= 1.0 <= high}
 
 
 def render_bench(summary: dict, command: str) -> str:
     rows = []
     for name, s in summary["strategies"].items():
         vs = s[VS] or {}
-        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")),
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", step_ratio_text(vs),
                      f"{s['tokens_per_s']:,.0f}", "-" if s["tflops_per_gpu"] is None else f"{s['tflops_per_gpu']:.1f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
                      "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
@@ -219,7 +246,7 @@ Command: `{command}`
 {summary['preset']} ({summary['params']:,} parameters), {summary['world_size']} x {summary['device_name']},
 {summary['precision']}, micro-batch {summary['micro_batch']} per rank{accumulated}, {summary['tokens_per_step']:,} tokens per step.
 Step time: median of {summary['timed_steps']} synchronised steps after {summary['warmup_steps']} warm-up steps,
-each step's slowest rank. {flops} {mfu}
+each step's slowest rank{rounds_text(summary)}. {flops} {mfu}
 {peak}
 
 {table}
@@ -232,6 +259,27 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def step_ratio_text(vs: dict | None, digits: int = 3) -> str:
+    """The step-time ratio to the reference, with its range over rounds where there are several, and
+    "no measurable difference" where that range holds 1.0: "0.953 (0.927-0.997)"."""
+    if not vs:
+        return "-"
+    low, high = vs["step_time_range"]
+    text = f"{vs['step_time']:.{digits}f}"
+    if vs["step_time_differs"] is None:
+        return text
+    return f"{text} ({low:.{digits}f}-{high:.{digits}f})" + ("" if vs["step_time_differs"] else ", no difference")
+
+
+def rounds_text(summary: dict) -> str:
+    rounds = summary.get("rounds_run", 1)
+    if rounds == 1:
+        return "; one round: no spread to judge a ratio by (--rounds)"
+    return (f"; {rounds} rounds, the strategies interleaved and each in its own processes, the steps pooled; a "
+            f"ratio to {REFERENCE} is the median of the rounds' (each round's median step against {REFERENCE}'s "
+            "in that round), with their range, and \"no difference\" where that range holds 1.0")
+
+
 def bench_terminal_lines(summary: dict, out) -> list:
     """bench's result for the terminal: one table, the notes' count, where the files are."""
     from zerolens.report.tables import in_unit, terminal_table, unit_for
@@ -242,15 +290,18 @@ def bench_terminal_lines(summary: dict, out) -> list:
     for name, s in strategies.items():
         vs = s[VS] or {}
         error = s.get("peak_prediction_error")
-        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", _ratio(vs.get("step_time")), f"{s['tokens_per_s']:,.0f}",
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", step_ratio_text(s[VS], 2), f"{s['tokens_per_s']:,.0f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}", in_unit(s["peak_bytes"], unit, 2),
                      _ratio(vs.get("peak_bytes")),
                      in_unit(s.get("predicted_peak_bytes"), unit, 2) + ("" if error is None else f" ({error:+.1%})")])
     notes = sum(len(s["notes"]) for s in strategies.values())
     where = ("the last warm-up step's, followed tensor by tensor (the CPU has no allocator to ask)"
              if summary["device"] == "cpu" else "the allocator's over every step")
+    rounds = summary.get("rounds_run", 1)
+    steps = f"{summary['timed_steps']} timed steps" + (f" x {rounds} interleaved rounds" if rounds > 1 else "")
+    ratios = "median (range) over the rounds" if rounds > 1 else "one round"
     return ["", f"{summary['preset']}, {summary['world_size']} x {summary['device_name']}, {summary['precision']}: "
-            f"median of {summary['timed_steps']} timed steps, the slowest rank's; peak: the largest rank's, {where}.",
+            f"median of {steps}, the slowest rank's; vs {REFERENCE}: {ratios}; peak: the largest rank's, {where}.",
             terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", f"peak {label}",
                             f"vs {REFERENCE}", f"predicted {label}"], rows, right={1, 2, 3, 4, 5, 6, 7}),
             f"Report: {out / 'bench.md'} ({notes} note{'' if notes == 1 else 's'} there); bench.json and bench.png "

@@ -57,6 +57,9 @@ class RunConfig:
     # zerolens bench: untimed steps first (the optimizer's states are allocated in the first);
     # `steps` are then the timed ones. The peak FLOP/s that MFU divides by (None: looked up).
     warmup_steps: int = 0
+    # zerolens bench: rounds of every strategy, interleaved (A B, A B, ...), each strategy of a round in
+    # its own worker processes; the ratios to the reference are the median over rounds, with their range.
+    rounds: int = 1
     peak_tflops: float | None = None
     memory_limit_gib: float | None = None  # CUDA: the caching allocator's cap per GPU
     job: str = "verify"  # verify | bench
@@ -80,6 +83,8 @@ class RunConfig:
             raise UserError(f"--nproc must be at least 1, got {self.nproc}")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup must be 0 or more, got {self.warmup_steps}")
+        if self.rounds < 1:
+            raise UserError(f"--rounds must be at least 1, got {self.rounds}")
         if self.memory_limit_gib is not None and not self.memory_limit_gib > 0:
             raise UserError(f"--memory-limit-gib must be positive, got {self.memory_limit_gib}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
@@ -109,6 +114,11 @@ class RunConfig:
                             "use --precision bf16 or fp32, or --device cuda")
         if self.timeout is not None and not self.timeout > 0:
             raise UserError(f"--timeout must be positive (seconds), got {self.timeout}")
+
+    def run_items(self) -> list[tuple[int, str]]:
+        """(round index, strategy) of every training the run makes, in the order they run: the strategies
+        one after another, round after round."""
+        return [(r, name) for r in range(self.rounds) for name in self.strategies]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

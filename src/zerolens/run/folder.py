@@ -57,6 +57,7 @@ def new_run_folder(out: Path, overwrite: bool = False) -> Path:
     return out
 
 
-def results_path(out: Path, strategy: str) -> Path:
-    """One strategy's results in a run folder, gathered from every rank (rank r's at index r)."""
-    return out / "results" / f"{strategy}.json"
+def results_path(out: Path, strategy: str, round_index: int = 0) -> Path:
+    """One strategy's results in a run folder, gathered from every rank (rank r's at index r); a bench's
+    later rounds' beside the first's (<strategy>.round2.json, ...)."""
+    return out / "results" / (f"{strategy}.json" if round_index == 0 else f"{strategy}.round{round_index + 1}.json")

@@ -93,11 +93,13 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
                    *(["--quiet"] if quiet else [])]
     # A launch ends early after a strategy that left memory allocated (worker.run_strategies); the
     # strategies after it get fresh processes, so that it is in none of their peaks.
-    remaining = len(config.strategies)
+    # A bench times each strategy of each round in fresh processes (worker.run_strategies), so that none
+    # runs in processes another has warmed, fragmented or left memory in.
+    remaining = len(config.run_items())
     while remaining:
         launch_local(config.nproc, launched_rank, worker_args, verbose=config.verbose, logs=out / "logs",
                      timeout=config.timeout, backend=backend, preload=preload)
-        left = sum(not results_path(out, name).exists() for name in config.strategies)
+        left = sum(not results_path(out, name, r).exists() for r, name in config.run_items())
         if left >= remaining:  # a launch that ended cleanly must have finished at least one
             raise WorkersFailed(f"the workers ended without results for {left} strategies")
         remaining = left

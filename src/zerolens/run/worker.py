@@ -225,7 +225,8 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
                 steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe,
                 grad_accum=config.grad_accum)
     if bench:
-        return {"name": name, "seconds": [r["seconds"] for r in run.records], "losses": run.losses,
+        return {"name": name, "process_id": os.getpid(), "seconds": [r["seconds"] for r in run.records],
+                "losses": run.losses,
                 "settings": strategy.describe(), "notes": run.notes, **run.measured}
     return {"losses": run.losses, "records": run.records, "seconds": run.seconds, "settings": strategy.describe(),
             "notes": run.notes, **run.measured}
@@ -240,22 +241,24 @@ def append_metrics(out: Path, rank: int, records: list[dict]) -> None:
 
 def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path, phase: Phase,
                    stop_on_leftover: bool, quiet: bool = False) -> bool:
-    """Runs, one after another, every strategy that has no results in `out` yet; rank 0 writes each
-    one's results as soon as it is done. A strategy that leaves memory allocated after its teardown
-    would put it in the next one's peak (DDP's buckets were still allocated right after its teardown
-    on 2xH200; measured after the gather below, they are gone): with `stop_on_leftover` this launch
-    then ends, and `zerolens` starts fresh processes for the rest. So it does after a strategy that
-    left torch.nn.functional.linear replaced: DeepSpeed's ZeRO-3 puts its own in, which saves other
+    """Runs, one after another, every strategy (of every round: config.run_items) that has no results
+    in `out` yet; rank 0 writes each one's results as soon as it is done. A strategy that leaves
+    memory allocated after its teardown would put it in the next one's peak (DDP's buckets were still
+    allocated right after its teardown on 2xH200; measured after the gather below, they are gone):
+    with `stop_on_leftover` (zerolens's own launcher, which relaunches) this launch then ends, and
+    `zerolens` starts fresh processes for the rest. So it does after a strategy that left
+    torch.nn.functional.linear replaced: DeepSpeed's ZeRO-3 puts its own in, which saves other
     tensors for backward (FSDP2 after it in the same processes peaked 1.5% lower in forward on the
     case study, CPU); zerolens's ZeRO-3 puts torch's back at its teardown, and this guards against
-    any other that does not. Returns True when every strategy has results."""
+    any other that does not. And so it does after every strategy of a bench: each is timed in
+    processes of its own. Returns True when every strategy has results."""
     linear = torch.nn.functional.linear
     rank = dist.get_rank()
-    todo = [[n for n in config.strategies if not results_path(out, n).exists()] if rank == 0 else None]
+    todo = [[(r, n) for r, n in config.run_items() if not results_path(out, n, r).exists()] if rank == 0 else None]
     dist.broadcast_object_list(todo)  # rank 0's view of the run folder, for every rank
     todo = todo[0]
     left_by_earlier = 0
-    for i, name in enumerate(todo):
+    for i, (round_index, name) in enumerate(todo):
         allocated_before = allocated_now(device)
         result = run_strategy(name, config, device, phase, left_by_earlier)
         result["earlier_strategies_left_bytes"] = left_by_earlier
@@ -268,15 +271,15 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
         phase.at(name="measuring what is left")
         left = memory_left_behind(device, allocated_before)
         if rank == 0:
-            files.write_json(results_path(out, name), {"strategy": name, "left_allocated_bytes": left,
-                                                        "ranks": gathered})
+            files.write_json(results_path(out, name, round_index), {
+                "strategy": name, "round": round_index + 1, "left_allocated_bytes": left, "ranks": gathered})
             if job == "verify" and not quiet:
                 losses = gathered[0]["losses"]
                 say(f"zerolens: {name} done in {max(g['seconds'] for g in gathered):.1f} s, loss "
                     f"{losses[0]:.4f} -> {losses[-1]:.4f}")
         left_by_earlier += left
         linear_replaced = torch.nn.functional.linear is not linear
-        if (left or linear_replaced) and stop_on_leftover and i + 1 < len(todo):
+        if (left or linear_replaced or job == "bench") and stop_on_leftover and i + 1 < len(todo):
             if left and rank == 0 and not quiet:
                 say(f"zerolens: {name} left {size(left)} allocated: the next strategies start in fresh "
                     "processes")
@@ -284,9 +287,10 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
     return True
 
 
-def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int) -> list[list[dict]]:
-    """gathered[rank][i]: rank's results for strategies[i], from the results files."""
-    results = {name: json.loads(results_path(out, name).read_text()) for name in strategies}
+def gathered_results(out: Path, strategies: tuple[str, ...], nproc: int, round_index: int = 0) -> list[list[dict]]:
+    """gathered[rank][i]: rank's results for strategies[i] (in a bench's round `round_index`), from the
+    results files."""
+    results = {name: json.loads(results_path(out, name, round_index).read_text()) for name in strategies}
     for name, f in results.items():
         for rank in f["ranks"]:
             rank["left_allocated_by_this_strategy_bytes"] = f["left_allocated_bytes"]
@@ -304,8 +308,8 @@ def finish_bench(config: RunConfig, device: torch.device, out: Path, command: st
     from zerolens.report.bench import bench_summary, bench_terminal_lines, render_bench
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    summary = bench_summary(config, gathered_results(out, config.strategies, config.nproc), params, device_name,
-                            versions(), predicted=read_predicted_peaks(out))
+    rounds = [gathered_results(out, config.strategies, config.nproc, r) for r in range(config.rounds)]
+    summary = bench_summary(config, rounds, params, device_name, versions(), predicted=read_predicted_peaks(out))
     if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
         total = torch.cuda.get_device_properties(device).total_memory
         summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \
