@@ -187,7 +187,7 @@ def render_bench(summary: dict, command: str) -> str:
     rows = []
     for name, s in summary["strategies"].items():
         vs = s[VS] or {}
-        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", step_ratio_text(vs),
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", step_ratio_text(name, vs),
                      f"{s['tokens_per_s']:,.0f}", "-" if s["tflops_per_gpu"] is None else f"{s['tflops_per_gpu']:.1f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}",
                      "-" if s["peak_bytes"] is None else f"{s['peak_bytes'] / GiB:.2f}", _ratio(vs.get("peak_bytes")),
@@ -259,11 +259,13 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def step_ratio_text(vs: dict | None, digits: int = 3) -> str:
+def step_ratio_text(name: str, vs: dict | None, digits: int = 3) -> str:
     """The step-time ratio to the reference, with its range over rounds where there are several, and
-    "no measurable difference" where that range holds 1.0: "0.953 (0.927-0.997)"."""
+    "no difference" where that range holds 1.0: "0.953 (0.927-0.997)". The reference's own is 1."""
     if not vs:
         return "-"
+    if name == REFERENCE:
+        return _ratio(vs["step_time"])
     low, high = vs["step_time_range"]
     text = f"{vs['step_time']:.{digits}f}"
     if vs["step_time_differs"] is None:
@@ -290,7 +292,7 @@ def bench_terminal_lines(summary: dict, out) -> list:
     for name, s in strategies.items():
         vs = s[VS] or {}
         error = s.get("peak_prediction_error")
-        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", step_ratio_text(s[VS], 2), f"{s['tokens_per_s']:,.0f}",
+        rows.append([name, f"{s['step_time_s'] * 1e3:.1f}", step_ratio_text(name, s[VS], 2), f"{s['tokens_per_s']:,.0f}",
                      "-" if s["mfu"] is None else f"{s['mfu']:.1%}", in_unit(s["peak_bytes"], unit, 2),
                      _ratio(vs.get("peak_bytes")),
                      in_unit(s.get("predicted_peak_bytes"), unit, 2) + ("" if error is None else f" ({error:+.1%})")])
