@@ -42,6 +42,9 @@ def test_bench_writes_json_table_and_plot(bench_run):
         s = bench["strategies"][name]
         assert len(s["step_times_s"]) == 3 * 10 and s["step_time_s"] > 0
         assert s["round_step_times_s"] == [r["step_time_s"] for r in bench["rounds"] if r["strategy"] == name]
+        # Where a step's time goes: each phase's (the CPU's host time) and the rest, which the phases leave.
+        assert all(s["phase_seconds"][phase] > 0 for phase in ("forward", "backward", "step"))
+        assert s["phase_seconds"]["other"] >= 0
         assert s["tokens_per_s"] == pytest.approx(bench["tokens_per_step"] / s["step_time_s"])
         assert s["mfu"] == pytest.approx(s["tflops_per_gpu"] / 1)
         # The CPU's peak: the last warm-up step's, followed tensor by tensor, beside the last traced step's.
@@ -64,7 +67,7 @@ def test_bench_writes_json_table_and_plot(bench_run):
     # Same model, data and seed: the two strategies' losses agree (bf16).
     assert max(abs(a - b) for a, b in zip(bench["strategies"]["ddp"]["losses"],
                                           bench["strategies"]["zero2"]["losses"])) < 0.05
-    assert "| zero2 |" in (out / "bench.md").read_text()
+    assert "| zero2 |" in (out / "bench.md").read_text() and "Where a step's time goes" in (out / "bench.md").read_text()
     assert (out / "bench.png").stat().st_size > 0
     assert result.stdout.count("zerolens bench:") == 1 and result.stdout.count("Report:") == 1  # rank 0 alone
     lines = result.stdout.splitlines()
@@ -206,8 +209,10 @@ def test_a_ratio_is_the_median_of_the_rounds_with_their_range():
                        warmup_steps=1, job="bench", preset="gpt-tiny", model=PRESETS["gpt-tiny"], rounds=3)
 
     def result(name, step):
+        phases = {"forward": step / 4, "backward": step / 2, "step": step / 8}
         return {"name": name, "process_id": 100, "seconds": [9.0] + [step] * 3, "losses": [6.0], "settings": {},
-                "notes": [], "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0}
+                "notes": [], "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0,
+                "phase_seconds": [{}] + [phases] * 3}
 
     def summary_of(zero2_steps):
         rounds = [[[result("ddp", 1.0), result("zero2", step)]] for step in zero2_steps]
@@ -221,6 +226,10 @@ def test_a_ratio_is_the_median_of_the_rounds_with_their_range():
     assert [(r["round"], r["strategy"]) for r in mixed["rounds"]] == [(1, "ddp"), (1, "zero2"), (2, "ddp"),
                                                                      (2, "zero2"), (3, "ddp"), (3, "zero2")]
     assert "| zero2 | 1020.0 | 1.020 (0.950-1.100), no difference |" in render_bench(mixed, "zerolens bench")
+    # Where the step's time goes: each phase's median over the pooled steps, and the rest.
+    assert mixed["strategies"]["zero2"]["phase_seconds"] == pytest.approx(
+        {"forward": 1.02 / 4, "backward": 1.02 / 2, "step": 1.02 / 8, "other": 1.02 / 8})
+    assert "| zero2 | 255.0 | 510.0 | 127.5 | 127.5 |" in render_bench(mixed, "zerolens bench")
     slower = summary_of([1.20, 1.25, 1.30])["strategies"]["zero2"]["vs_ddp"]
     assert slower["step_time"] == pytest.approx(1.25) and slower["step_time_differs"] is True
     from rich.console import Console

@@ -24,6 +24,7 @@ class StepTimer:
         self.highest_reserved = 0  # and its reserve's
         self.tracker = None  # CPU, during the last warm-up step
         self.tracked: dict[str, int] = {}  # CPU: that step's peak per phase
+        self.phase_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: this step's
 
     def label(self, strategy, steps_done: int) -> str:
         return f"{strategy.name} ({'warm-up' if steps_done < self.warmup_steps else 'timed'})"
@@ -53,6 +54,10 @@ class StepTimer:
         yield
         synchronize(self.device)
         record["seconds"] = time.perf_counter() - start
+        # Each phase's time on the GPU's timeline, read once the step has synchronised anyway.
+        for name, begin, end in self.phase_events:
+            record[f"seconds_{name}"] = record.get(f"seconds_{name}", 0.0) + begin.elapsed_time(end) / 1e3
+        self.phase_events = []
 
     @contextlib.contextmanager
     def tracked_step(self, strategy):
@@ -67,12 +72,15 @@ class StepTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str, strategy, record: dict, last: bool, loss=None, census: bool = True):
-        """CUDA: the allocator's peak of the phase. Reading and resetting the peak are host-side
-        figures of the caching allocator, with no synchronisation, so the timing is untouched; what
-        was reached before the reset is kept in `highest`."""
+        """CUDA: the allocator's peak of the phase and its time on the GPU (CUDA events). Reading and
+        resetting the peak are host-side figures of the caching allocator and events are recorded
+        into the stream, with no synchronisation, so the timing is untouched; what was reached before
+        the reset is kept in `highest`. The CPU: the phase's time."""
         if not self.cuda:
-            if self.tracker is None:
+            if self.tracker is None:  # the CPU runs each phase as it is called: its time is the host's
+                start = time.perf_counter()
                 yield
+                record[f"seconds_{name}"] = record.get(f"seconds_{name}", 0.0) + time.perf_counter() - start
                 return
             from zerolens.measure.tracker import tracked_phase
             with tracked_phase(self.tracker, name, self.tracked):
@@ -81,7 +89,13 @@ class StepTimer:
         self.highest = max(self.highest, torch.cuda.max_memory_allocated())
         self.highest_reserved = max(self.highest_reserved, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
+        # The phase's time as CUDA events on the current stream: recorded without synchronising, read at
+        # the step's end (step()); under gradient accumulation the phases of every micro-batch add up.
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         yield
+        end.record()
+        self.phase_events.append((name, begin, end))
         keep_highest(record, f"peak_during_{name}", torch.cuda.max_memory_allocated())
 
     def after_last_step(self, strategy, record: dict, run) -> None:

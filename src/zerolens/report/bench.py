@@ -130,6 +130,7 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
             "step_time_s": step_time, "step_times_s": step_times,
             "warmup_step_times_s": timed[name][0]["warmup"],
             "round_step_times_s": [median(steps["timed"]) for steps in timed[name]],
+            "phase_seconds": phase_breakdown(step_times, [p for steps in timed[name] for p in steps["timed_phases"]]),
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
             "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
             "peak_bytes": peak,
@@ -165,11 +166,26 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
                        for k in range(len(rounds)) for i, name in enumerate(config.strategies)]}
 
 
-def round_steps(config, per_rank: list[dict]) -> dict[str, list[float]]:
+def round_steps(config, per_rank: list[dict]) -> dict[str, list]:
     """One strategy's step times in one round: a data-parallel step ends when its slowest rank does;
-    the warm-up steps apart from the timed ones."""
-    seconds = [max(r["seconds"][s] for r in per_rank) for s in range(config.warmup_steps + config.steps)]
-    return {"warmup": seconds[:config.warmup_steps], "timed": seconds[config.warmup_steps:]}
+    the warm-up steps apart from the timed ones; and the slowest rank's time in each phase of each
+    timed step (`timed_phases`)."""
+    steps = range(config.warmup_steps + config.steps)
+    slowest = [max(per_rank, key=lambda r: r["seconds"][s]) for s in steps]
+    seconds = [rank["seconds"][s] for s, rank in zip(steps, slowest)]
+    phases = [rank.get("phase_seconds", [{}] * len(steps))[s] for s, rank in zip(steps, slowest)]
+    return {"warmup": seconds[:config.warmup_steps], "timed": seconds[config.warmup_steps:],
+            "timed_phases": phases[config.warmup_steps:]}
+
+
+def phase_breakdown(step_times: list[float], phases: list[dict]) -> dict | None:
+    """Where a step's time goes: the median over the timed steps of each phase's time (on CUDA its
+    time on the GPU's timeline, between events recorded into the stream; on the CPU the host's) and
+    of the rest of the step (zeroing gradients, the loop's own work, what no phase covers)."""
+    if not phases or any(p.get(name) is None for p in phases for name in PHASES):
+        return None
+    return {**{name: median(p[name] for p in phases) for name in PHASES},
+            "other": median(t - sum(p[name] for name in PHASES) for t, p in zip(step_times, phases))}
 
 
 def step_time_ratio(mine: list[float], reference: list[float]) -> dict:
@@ -230,6 +246,12 @@ def render_bench(summary: dict, command: str) -> str:
               f"{measured_where} (MiB), and the prediction's error.\n\n"
               + markdown_table(["strategy", "rank", "phase", "predicted", "measured", "error"], phase_rows) + "\n"
               if phase_rows else "")
+    breakdown_rows = [[name, *(f"{s['phase_seconds'][part] * 1e3:.1f}" for part in (*PHASES, "other"))]
+                      for name, s in summary["strategies"].items() if s.get("phase_seconds")]
+    breakdown = ("\n## Where a step's time goes\n\nMedian over the timed steps (ms) of the slowest rank's time in each "
+                 "phase: on CUDA on the GPU's timeline, between events recorded into the stream; on the CPU the "
+                 "host's. \"other\": the rest of the step (zeroing gradients, the loop's own work).\n\n"
+                 + markdown_table(["strategy", *PHASES, "other"], breakdown_rows) + "\n" if breakdown_rows else "")
     notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
     for name, s in summary["strategies"].items():
         if s["earlier_strategies_left_bytes"]:
@@ -250,7 +272,7 @@ each step's slowest rank{rounds_text(summary)}. {flops} {mfu}
 {peak}
 
 {table}
-{phases}
+{breakdown}{phases}
 {"Notes:" + notes if notes else ""}
 """
 

@@ -49,6 +49,7 @@ from zerolens.run.launch import LAUNCHER_PID, OUT_OF_MEMORY
 from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
 from zerolens.run.train import Phase, train
 from zerolens.strategies import make_strategy, registry
+from zerolens.strategies.base import PHASES
 from zerolens.units import size
 
 
@@ -226,6 +227,7 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
                 grad_accum=config.grad_accum)
     if bench:
         return {"name": name, "process_id": os.getpid(), "seconds": [r["seconds"] for r in run.records],
+                "phase_seconds": [{p: r.get(f"seconds_{p}") for p in PHASES} for r in run.records],
                 "losses": run.losses,
                 "settings": strategy.describe(), "notes": run.notes, **run.measured}
     return {"losses": run.losses, "records": run.records, "seconds": run.seconds, "settings": strategy.describe(),
