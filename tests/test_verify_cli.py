@@ -52,6 +52,14 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "PASS" and summary["world_size"] == 2 and summary["device"] == "cpu"
     assert set(summary["strategies"]) == {"zero0", "zero2"}
+    # Where the run's wall time went: every part noted by the process that spent it, each strategy's training.
+    wall = summary["wall_time"]
+    assert list(wall["parts_s"]) == ["imports", "checks", "prediction", "launch", "process_group", "training",
+                                     "report", "plots"]
+    assert all(seconds > 0 for seconds in wall["parts_s"].values()), wall
+    assert set(wall["strategies_s"]) == {"zero0", "zero2"}
+    assert sum(wall["strategies_s"].values()) == pytest.approx(wall["parts_s"]["training"])
+    assert wall["counted_s"] == pytest.approx(sum(wall["parts_s"].values()))
     for check in summary["checks"]:
         assert {"name", "passed", "measured", "expected"} <= set(check)
     for rank in summary["strategies"]["zero2"]["ranks"]:
@@ -63,8 +71,10 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     assert len(lines) == 2 * summary["steps"]
     assert json.loads(lines[0])["rank"] == 1
     assert "Verdict: PASS" in (out / "report.md").read_text()
-    # Each rank's heartbeat stays; its stack-dump file, empty when no hang was diagnosed, goes.
-    assert sorted(p.name for p in (out / "logs").iterdir()) == ["heartbeat_rank0.json", "heartbeat_rank1.json"]
+    # Each rank's heartbeat stays; its stack-dump file, empty when no hang was diagnosed, goes. The wall-time
+    # log stays beside them.
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["heartbeat_rank0.json", "heartbeat_rank1.json",
+                                                                "wall_time.jsonl"]
 
 
 @pytest.mark.slow

@@ -6,9 +6,13 @@ training), `predict_peaks` (one rank's peak per phase, traced on fake tensors) a
 (the bytes a rank keeps per component) and `track` (what a user's own training loop holds, per rank and
 phase, measured as verify measures it). Where each part of the code lives: docs/contributing.md.
 """
-import importlib
+import time
 
-from zerolens._version import __version__
+IMPORTED_AT = time.time()  # the first import of zerolens: run/wall_time.py counts the imports from here
+
+import importlib  # noqa: E402
+
+from zerolens._version import __version__  # noqa: E402
 
 _PUBLIC = {"estimate": "zerolens.commands.estimate", "predict_peaks": "zerolens.predict.peak",
            "predict_retained": "zerolens.strategies.registry", "track": "zerolens.tracking.track"}

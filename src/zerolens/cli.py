@@ -9,6 +9,7 @@ import sys
 from zerolens._version import __version__
 from zerolens.commands import bench, estimate, maxsize, plan, sweep, verify
 from zerolens.errors import Interrupted, UserError, interrupts_raised
+from zerolens.run import wall_time
 from zerolens.strategies import registry
 
 VERBS = (verify, bench, maxsize, sweep, estimate, plan)  # in the order --help lists them
@@ -22,6 +23,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    wall_time.mark_command_started()
     argv = sys.argv[1:] if argv is None else argv
     try:
         registry.load_plugins()  # before the parser: its defaults and help name the strategies

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ from zerolens.errors import Interrupted
 from zerolens.predict.peak import predicted_peaks
 from zerolens.report import files
 from zerolens.report.tables import SCHEMA_VERSION, say
+from zerolens.run import wall_time
 from zerolens.run.config import RunConfig, save_config
 from zerolens.run.folder import default_run_folder, new_run_folder, results_path
 from zerolens.run.launch import WorkersFailed, launch_local, start_workers_server
@@ -75,6 +77,7 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     bench.json; raises WorkersFailed when a rank failed."""
     out = Path(config.out)
     save_config(config, out / "config.json", command)
+    wall_time.note_command_parts(out)
     # The workers inherit this environment (the fork server, started below, too). DS_ACCELERATOR saves
     # DeepSpeed a probe and a warning; one OpenMP thread team per core keeps N CPU ranks from fighting over
     # the cores.
@@ -88,7 +91,9 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
         # A CPU run's peaks, predicted here before any worker starts: this process has no process group
         # and no GPU to keep free, so the trace needs no fresh process (the workers make one where the run
         # has GPUs or another launcher started them: prediction.py). They find the file and go on.
+        started = time.time()
         files.write_json(out / PREDICTED_PEAKS, cpu_prediction(config))
+        wall_time.note(out, "prediction", time.time() - started)
     worker_args = ["--config", str(out / "config.json"), "--resume", "--fail-exit-code", "0", "--command", command,
                    *(["--quiet"] if quiet else [])]
     # A launch ends early after a strategy that left memory allocated (worker.run_strategies); the
@@ -97,6 +102,7 @@ def run_job(config: RunConfig, command: str, quiet: bool = False) -> dict:
     # runs in processes another has warmed, fragmented or left memory in.
     remaining = len(config.run_items())
     while remaining:
+        wall_time.note_launch_requested(out)
         launch_local(config.nproc, launched_rank, worker_args, verbose=config.verbose, logs=out / "logs",
                      timeout=config.timeout, backend=backend, preload=preload)
         left = sum(not results_path(out, name, r).exists() for r, name in config.run_items())

@@ -41,6 +41,7 @@ from zerolens.report import files, render
 from zerolens.report.checks import metrics_complete
 from zerolens.report.summary import build_summary
 from zerolens.report.tables import say
+from zerolens.run import wall_time
 from zerolens.run.config import RunConfig, load_config, save_config
 from zerolens.run.faults import fault_from_environment, leaked_bytes
 from zerolens.run.flags import add_bench_arguments, add_verify_arguments, config_from_args
@@ -261,6 +262,7 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
     todo = todo[0]
     left_by_earlier = 0
     for i, (round_index, name) in enumerate(todo):
+        started = time.time()
         allocated_before = allocated_now(device)
         result = run_strategy(name, config, device, phase, left_by_earlier)
         result["earlier_strategies_left_bytes"] = left_by_earlier
@@ -275,6 +277,7 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
         if rank == 0:
             files.write_json(results_path(out, name, round_index), {
                 "strategy": name, "round": round_index + 1, "left_allocated_bytes": left, "ranks": gathered})
+            wall_time.note(out, "training", time.time() - started, strategy=name)
             if job == "verify" and not quiet:
                 losses = gathered[0]["losses"]
                 say(f"zerolens: {name} done in {max(g['seconds'] for g in gathered):.1f} s, loss "
@@ -331,6 +334,7 @@ def finish_bench(config: RunConfig, device: torch.device, out: Path, command: st
 
 def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quiet: bool = False) -> dict:
     """Rank 0, once every strategy has results: summary.json, report.md and the plots."""
+    started = time.time()
     # Shapes from a copy on the meta device: building the model again on the CPU only to read its
     # sizes cost seconds (14 s for gpt-1b on 2 cores).
     shapes = parameter_shapes(config.model)
@@ -340,9 +344,10 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
                             predicted_peaks=read_predicted_peaks(out), weight_bytes=weight_bytes(config.model),
                             trainable=trainable_flags(config.model))
     text = render.render(summary, command)
-    files.write_json(out / "summary.json", summary)
     files.write_atomic(out / "report.md", text)
+    wall_time.note(out, "report", time.time() - started)
     phase.at(name="plotting")
+    started = time.time()
     try:
         from zerolens.report.plots import verify_plots
         verify_plots(summary, out, {name: registry.spec(name).reduce_bucket_bytes(config.precision,
@@ -350,8 +355,12 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
                                     for name in config.strategies})
     except ImportError:
         say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
+    wall_time.note(out, "plots", time.time() - started)
+    # Written last, with where the run's time went up to here.
+    summary["wall_time"] = wall_time.breakdown(out)
+    files.write_json(out / "summary.json", summary)
     if config.verbose and not quiet:
-        say(*text.splitlines())
+        say(*text.splitlines(), wall_time.breakdown_line(summary["wall_time"]))
     if not quiet:
         say(*render.terminal_lines(summary, out))
     return summary
@@ -463,7 +472,10 @@ def run_rank(argv: list[str] | None) -> int:
     out = Path(config.out) if args.resume else None
     stack_file = watch_for_hangs(out / "logs", rank, phase) if out is not None else None
     try:
+        if out is not None and rank == 0:
+            wall_time.note_launched(out)
         phase.enter("init")
+        started = time.time()
         device = phase.device = init_distributed(config, local_rank)
         try:
             out = agree_on_run_folder(config, args)
@@ -474,6 +486,8 @@ def run_rank(argv: list[str] | None) -> int:
             return 2
         if stack_file is None:
             stack_file = watch_for_hangs(out / "logs", rank, phase)
+        if rank == 0:
+            wall_time.note(out, "process_group", time.time() - started)
         first_launch = not (out / "results").exists()
         if rank == 0:
             if first_launch and not args.quiet:
@@ -486,7 +500,9 @@ def run_rank(argv: list[str] | None) -> int:
                 # Before anything trains: a prediction made without the measurement.
                 phase.at(strategy="-", step=-1, name="predicting the peaks")
                 capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+                started = time.time()
                 predict_in_fresh_process(config, out, capability)
+                wall_time.note(out, "prediction", time.time() - started)
         dist.barrier()  # the folder is ready before any rank writes into it
         finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume,
                                   quiet=args.quiet)
