@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+import zerolens
 from zerolens._version import __version__
 from zerolens.commands import bench, estimate, maxsize, plan, sweep, verify
 from zerolens.errors import Interrupted, UserError, interrupts_raised
@@ -23,7 +24,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    wall_time.mark_command_started()
+    wall_time.mark_command_started(zerolens.IMPORTED_AT)
     argv = sys.argv[1:] if argv is None else argv
     try:
         registry.load_plugins()  # before the parser: its defaults and help name the strategies

@@ -26,15 +26,17 @@ PARTS = ("imports", "checks", "prediction", "launch", "process_group", "training
 LAUNCH_REQUESTED = "launch_requested"
 
 _command_started: float | None = None  # when the zerolens command's main began (mark_command_started)
+_imported_at: float | None = None  # when the command first imported zerolens
 
 
 def path(out: Path) -> Path:
     return out / "logs" / "wall_time.jsonl"
 
 
-def mark_command_started() -> None:
-    global _command_started
-    _command_started = time.time()
+def mark_command_started(imported_at: float) -> None:
+    """The zerolens command's main begins; it first imported zerolens at `imported_at` (zerolens.IMPORTED_AT)."""
+    global _command_started, _imported_at
+    _command_started, _imported_at = time.time(), imported_at
 
 
 def note(out: Path, part: str, seconds: float, **details) -> None:
@@ -50,8 +52,7 @@ def note_command_parts(out: Path) -> None:
     global _command_started
     if _command_started is None:
         return
-    import zerolens
-    note(out, "imports", _command_started - zerolens.IMPORTED_AT)
+    note(out, "imports", _command_started - _imported_at)
     note(out, "checks", time.time() - _command_started)
     _command_started = None
 
