@@ -2,8 +2,9 @@
 (model.training_flops_per_token, as Megatron-LM and PaLM count them); any other model's (a Hugging
 Face model, a user's) counted by torch's FLOP counter (torch.utils.flop_counter.FlopCounterMode)
 over the forward, the loss and the backward of one micro-batch on fake tensors (the model built on
-the meta device): shapes only, no memory, no arithmetic. The counter counts what it has formulas for (matrix products, convolutions,
-attention), as the field's MFU does; element-wise operations and norms are left out.
+the meta device): shapes only, no memory, no arithmetic. The counter counts what it has formulas
+for (matrix products, convolutions, attention), as the field's MFU does; element-wise operations
+and norms are left out.
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
     round), with their range. Memory is the first round's: every round allocates alike. `predicted`:
     the run's predicted_peaks.json (predict.peak.predicted_peaks), made before training."""
     global_batch = config.micro_batch * config.nproc  # of one micro-batch; a step has config.grad_accum of them
-    # A user's model: "tokens" are the elements of its inputs, and its FLOPs are not known.
+    # A user's model: "tokens" are the elements of its inputs (its FLOPs are counted: models/flops.py).
     tokens_per_step = config.grad_accum * (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
                                                       signal=config.signal)[0].numel()
                                            if config.model.kind == "user" else global_batch * config.model.seq_len)
