@@ -137,7 +137,8 @@ class RunConfig:
                              grad_accum=self.grad_accum,
                              world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
                              gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
-                             user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose)
+                             user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose,
+                             census=self.job != "bench")
 
 
 def save_config(config: RunConfig, path: Path, command: str) -> None:

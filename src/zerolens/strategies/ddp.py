@@ -42,6 +42,11 @@ class TorchDDP(ScaledStrategy):
 
     def wrap(self, module, device):
         model = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        if not self.settings.census:
+            # bench: a Python hook on every bucket of every step cost 1.15% of gpt-100m's step on one
+            # H200 (docs/results/1xh200/issue24/); DDP's logging data gives the buckets' sizes.
+            self.buckets_by_size = True
+            return model
         # DDP's gradient buckets live in C++; a communication hook is the public way to see them.
         # It does what the built-in hook does (average by all-reduce) and keeps a reference to
         # each bucket's flat buffer, which the reducer keeps for the life of the model anyway,
