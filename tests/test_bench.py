@@ -33,11 +33,25 @@ def test_bench_writes_json_table_and_plot(bench_run):
     assert bench["preset"] == "gpt-tiny" and bench["timed_steps"] == 10 and bench["warmup_steps"] == 3
     assert bench["tokens_per_step"] == 8 * 2 * 64
     assert bench["peak_tflops"] == 1 and bench["peak_tflops_source"] == "--peak-tflops"
-    # Three rounds by default, interleaved, each strategy of each round in processes of its own.
+    # Three rounds by default, interleaved, each strategy of each round in processes of its own, and
+    # beside each its reference loop, written without zerolens, in processes of its own too.
     assert bench["rounds_run"] == 3
     assert [(r["round"], r["strategy"]) for r in bench["rounds"]] == [
         (k, name) for k in (1, 2, 3) for name in ("ddp", "zero2")]
     assert len({tuple(r["process_ids"]) for r in bench["rounds"]}) == 6
+    results = out / "results"
+    assert sorted(p.name for p in results.iterdir()) == sorted(
+        f"{name}{'' if k == 1 else f'.round{k}'}.json" for k in (1, 2, 3)
+        for name in ("ddp", "reference-ddp", "zero2", "reference-zero2"))
+    for name in ("ddp", "zero2"):
+        mine, loop = (json.loads((results / f"{n}.round2.json").read_text())["ranks"][0] for n in (name, f"reference-{name}"))
+        # The same model, batches and settings: the loop written without zerolens trains the same losses, bit for bit.
+        assert loop["losses"] == mine["losses"] and loop["process_id"] != mine["process_id"]
+        s = bench["strategies"][name]
+        overheads = [a / b - 1 for a, b in zip(s["round_step_times_s"], s["reference_round_step_times_s"])]
+        assert s["harness_overhead"] == pytest.approx(sorted(overheads)[1])
+        assert s["harness_overhead_range"] == pytest.approx([min(overheads), max(overheads)])
+    assert "The harness's overhead against loops written without zerolens: ddp" in result.stdout
     for name in ("ddp", "zero2"):
         s = bench["strategies"][name]
         assert len(s["step_times_s"]) == 3 * 10 and s["step_time_s"] > 0

@@ -94,12 +94,14 @@ def phase_peaks(config, per_rank: list[dict], prediction: dict | None, earlier: 
 
 
 def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_name: str,
-                  versions: dict, predicted: dict | None = None) -> dict:
+                  versions: dict, predicted: dict | None = None, references: dict | None = None) -> dict:
     """rounds[k][rank][i]: rank's result for config.strategies[i] in round k (each round ran every
     strategy, in its own processes). Step times are pooled over the rounds; each ratio to the reference
     is the median of the rounds' ratios (each round's median step against the reference's in the same
     round), with their range. Memory is the first round's: every round allocates alike. `predicted`:
-    the run's predicted_peaks.json (predict.peak.predicted_peaks), made before training."""
+    the run's predicted_peaks.json (predict.peak.predicted_peaks), made before training.
+    `references[name][k][rank]`: the results of strategy `name`'s reference loop in round k (run/reference.py),
+    against which each round's median step gives the harness's overhead."""
     global_batch = config.micro_batch * config.nproc  # of one micro-batch; a step has config.grad_accum of them
     # A user's model: "tokens" are the elements of its inputs (its FLOPs are counted: models/flops.py).
     tokens_per_step = config.grad_accum * (make_batch(config.model, 0, seed=config.seed, batch_size=global_batch,
@@ -146,6 +148,12 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
                              os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
             "phase_peaks": phase_peaks(config, per_rank, (predicted or {}).get(name), earlier),
         }
+    for name, reference in (references or {}).items():
+        loop = [median(round_steps(config, per_rank)["timed"]) for per_rank in reference]
+        overheads = [mine / theirs - 1 for mine, theirs in zip(strategies[name]["round_step_times_s"], loop, strict=True)]
+        strategies[name] |= {"reference_loop": reference[0][0]["settings"]["loop"], "reference_round_step_times_s": loop,
+                             "harness_overhead": median(overheads),
+                             "harness_overhead_range": [min(overheads), max(overheads)]}
     for s in strategies.values():
         ref = strategies.get(REFERENCE)
         s[VS] = None if ref is None else {
@@ -252,6 +260,15 @@ def render_bench(summary: dict, command: str) -> str:
                  "phase: on CUDA on the GPU's timeline, between events recorded into the stream; on the CPU the "
                  "host's. \"other\": the rest of the step (zeroing gradients, the loop's own work).\n\n"
                  + markdown_table(["strategy", *PHASES, "other"], breakdown_rows) + "\n" if breakdown_rows else "")
+    overhead_rows = [[name, s["reference_loop"], f"{s['step_time_s'] * 1e3:.1f}",
+                      f"{median(s['reference_round_step_times_s']) * 1e3:.1f}", overhead_text(s)]
+                     for name, s in summary["strategies"].items() if "harness_overhead" in s]
+    overheads = ("\n## The harness's own cost\n\nEach strategy beside a loop written as its users write it, "
+                 "without zerolens (run/reference.py), with the same model, batches and settings, timed the same "
+                 "way in every round: the overhead is the median over the rounds of zerolens's median step against "
+                 "the loop's in the same round, less 1, with its range.\n\n"
+                 + markdown_table(["strategy", "reference loop", "step (ms)", "reference step (ms, median of rounds)",
+                                   "overhead"], overhead_rows) + "\n" if overhead_rows else "")
     notes = "".join(f"\n- {n}" for s in summary["strategies"].values() for n in s["notes"])
     for name, s in summary["strategies"].items():
         if s["earlier_strategies_left_bytes"]:
@@ -272,7 +289,7 @@ each step's slowest rank{rounds_text(summary)}. {flops} {mfu}
 {peak}
 
 {table}
-{breakdown}{phases}
+{breakdown}{overheads}{phases}
 {"Notes:" + notes if notes else ""}
 """
 
@@ -293,6 +310,11 @@ def step_ratio_text(name: str, vs: dict | None, digits: int = 3) -> str:
     if vs["step_time_differs"] is None:
         return text
     return f"{text} ({low:.{digits}f}-{high:.{digits}f})" + ("" if vs["step_time_differs"] else ", no difference")
+
+
+def overhead_text(s: dict) -> str:
+    low, high = s["harness_overhead_range"]
+    return f"{s['harness_overhead']:+.2%}" + ("" if low == high else f" ({low:+.2%} to {high:+.2%})")
 
 
 def rounds_text(summary: dict) -> str:
@@ -328,5 +350,8 @@ def bench_terminal_lines(summary: dict, out) -> list:
             f"median of {steps}, the slowest rank's; vs {REFERENCE}: {ratios}; peak: the largest rank's, {where}.",
             terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", f"peak {label}",
                             f"vs {REFERENCE}", f"predicted {label}"], rows, right={1, 2, 3, 4, 5, 6, 7}),
+            *(["The harness's overhead against loops written without zerolens: " + ", ".join(
+                f"{name} {overhead_text(s)}" for name, s in strategies.items() if "harness_overhead" in s) + "."]
+              if any("harness_overhead" in s for s in strategies.values()) else []),
             f"Report: {out / 'bench.md'} ({notes} note{'' if notes == 1 else 's'} there); bench.json and bench.png "
             "beside it."]

@@ -60,6 +60,9 @@ class RunConfig:
     # zerolens bench: rounds of every strategy, interleaved (A B, A B, ...), each strategy of a round in
     # its own worker processes; the ratios to the reference are the median over rounds, with their range.
     rounds: int = 1
+    # zerolens bench: beside each strategy that has one, a loop written as its users write it, timed the
+    # same way in each round (run/reference.py): the harness's own cost, measured.
+    reference_loops: bool = False
     peak_tflops: float | None = None
     memory_limit_gib: float | None = None  # CUDA: the caching allocator's cap per GPU
     job: str = "verify"  # verify | bench
@@ -117,8 +120,11 @@ class RunConfig:
 
     def run_items(self) -> list[tuple[int, str]]:
         """(round index, strategy) of every training the run makes, in the order they run: the strategies
-        one after another, round after round."""
-        return [(r, name) for r in range(self.rounds) for name in self.strategies]
+        one after another, each followed by its reference loop where bench runs them, round after round."""
+        from zerolens.run.reference import reference_of
+        names = [n for name in self.strategies
+                 for n in (name, reference_of(name) if self.reference_loops else None) if n is not None]
+        return [(r, name) for r in range(self.rounds) for name in names]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -138,7 +144,9 @@ class RunConfig:
                              world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
                              gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
                              user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose,
-                             census=self.job != "bench")
+                             # On the CPU bench follows a warm-up step tensor by tensor (measure/timer.py),
+                             # which needs DDP's buckets in hand: only CUDA's bench leaves the hook out.
+                             census=not (self.job == "bench" and self.device == "cuda"))
 
 
 def save_config(config: RunConfig, path: Path, command: str) -> None:

@@ -48,6 +48,8 @@ from zerolens.run.flags import add_bench_arguments, add_verify_arguments, config
 from zerolens.run.folder import default_run_folder, is_run_folder, new_run_folder, results_path
 from zerolens.run.launch import LAUNCHER_PID, OUT_OF_MEMORY
 from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
+from zerolens.run.reference import PREFIX as REFERENCE_PREFIX
+from zerolens.run.reference import reference_of, run_reference
 from zerolens.run.train import Phase, train
 from zerolens.strategies import make_strategy, registry
 from zerolens.strategies.base import PHASES
@@ -264,7 +266,8 @@ def run_strategies(job: str, config: RunConfig, device: torch.device, out: Path,
     for i, (round_index, name) in enumerate(todo):
         started = time.time()
         allocated_before = allocated_now(device)
-        result = run_strategy(name, config, device, phase, left_by_earlier)
+        result = (run_reference(name, config, device) if name.startswith(REFERENCE_PREFIX)
+                  else run_strategy(name, config, device, phase, left_by_earlier))
         result["earlier_strategies_left_bytes"] = left_by_earlier
         if job == "verify":
             phase.at(strategy=name, step=-1, name="writing metrics")
@@ -314,7 +317,12 @@ def finish_bench(config: RunConfig, device: torch.device, out: Path, command: st
     params = sum(shape.numel() for shape in parameter_shapes(config.model))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rounds = [gathered_results(out, config.strategies, config.nproc, r) for r in range(config.rounds)]
-    summary = bench_summary(config, rounds, params, device_name, versions(), predicted=read_predicted_peaks(out))
+    # Each reference loop's results, round by round, by the strategy it is the reference of.
+    references = {name: [[rank[0] for rank in gathered_results(out, (reference_of(name),), config.nproc, r)]
+                         for r in range(config.rounds)]
+                  for name in config.strategies if config.reference_loops and reference_of(name)}
+    summary = bench_summary(config, rounds, params, device_name, versions(), predicted=read_predicted_peaks(out),
+                            references=references)
     if device.type == "cuda":  # what the allocator may use: the GPU, or the --memory-limit-gib cap
         total = torch.cuda.get_device_properties(device).total_memory
         summary["memory_limit_bytes"] = min(total, int(config.memory_limit_gib * 2**30)) if config.memory_limit_gib \

@@ -45,8 +45,8 @@ class TrainSettings:
     # Merged into the DeepSpeed config last (e.g. {"zero_optimization": {"overlap_comm": true}}).
     ds_override: dict = field(default_factory=dict)
     verbose: bool = False
-    # verify takes its census of every storage; bench only times the steps, and a strategy then adds
-    # nothing a user's loop does not have (DDP no communication hook to see its buckets).
+    # verify takes its census of every storage; bench on CUDA only times the steps, and a strategy then
+    # adds nothing a user's loop does not have (DDP no communication hook to see its buckets).
     census: bool = True
 
 
