@@ -151,6 +151,12 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def teardown(self) -> None: ...
 
+    def reference_loop(self, model: nn.Module, device: torch.device):
+        """The loop this backend's users write, without zerolens, with this strategy's settings (bench's
+        reference, run/reference.py): (step(micro_batches) -> the last micro-batch's loss, teardown(),
+        what it is in a few words); None where zerolens has none."""
+        return None
+
     def describe(self) -> dict:
         """The backend settings, for config.json."""
         return {}

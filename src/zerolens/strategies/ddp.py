@@ -128,6 +128,32 @@ class TorchDDP(ScaledStrategy):
     def teardown(self):
         del self.model, self.module, self.optimizer, self.bucket_buffers
 
+    def reference_loop(self, model, device):
+        """DDP and torch's AdamW under autocast (a GradScaler for fp16), the gradients clipped, no_sync
+        for all but the last micro-batch of a step."""
+        s = self.settings
+        model = model.to(device)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.fused_adam or None)
+        scaler = torch.amp.GradScaler(device.type, enabled=s.precision == "fp16")
+
+        def step(micro_batches):
+            for i, (tokens, labels) in enumerate(micro_batches):
+                with contextlib.nullcontext() if i == len(micro_batches) - 1 else ddp.no_sync():
+                    with torch.autocast(device.type, dtype=DTYPES[s.precision], enabled=s.precision != "fp32"):
+                        logits = ddp(tokens.to(device))
+                    loss = loss_of(logits, labels.to(device)) / len(micro_batches)
+                    scaler.scale(loss).backward()
+            if s.gradient_clipping:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.gradient_clipping)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step, lambda: None, "DistributedDataParallel, torch.optim.AdamW, autocast"
+
     def describe(self):
         return {"backend": "torch.nn.parallel.DistributedDataParallel",
                 "optimizer": "torch.optim.AdamW" + (" (fused)" if self.settings.fused_adam else ""),

@@ -291,6 +291,29 @@ class DeepSpeedZero(Strategy):
         # backward: torch's goes back, so that a strategy after this one runs torch's in the same processes.
         torch.nn.functional.linear = self.torch_linear
 
+    def reference_loop(self, model, device):
+        """DeepSpeed's own loop: deepspeed.initialize with this strategy's config, then engine(...),
+        engine.backward and engine.step for every micro-batch."""
+        import deepspeed
+        linear = torch.nn.functional.linear  # ZeRO-3 puts its own in and leaves it (teardown)
+        quiet = contextlib.nullcontext() if self.settings.verbose else contextlib.redirect_stdout(io.StringIO())
+        with quiet:
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=self.ds_config())
+        dtype = DTYPES[self.settings.precision]
+
+        def step(micro_batches):
+            for tokens, labels in micro_batches:
+                loss = loss_of(engine(engine_inputs(tokens, device, dtype)), labels.to(device))
+                engine.backward(loss)
+                engine.step()
+            return loss.detach()
+
+        def teardown():
+            engine.destroy()
+            torch.nn.functional.linear = linear
+        return step, teardown, "deepspeed.initialize, engine.backward, engine.step"
+
     def describe(self):
         return {"backend": "deepspeed", "ds_config": self.ds_config()}
 

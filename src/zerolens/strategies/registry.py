@@ -129,6 +129,13 @@ def make_strategy(name: str, settings):
     return spec(name).build(settings)
 
 
+def has_reference_loop(name: str) -> bool:
+    """Whether the strategy's backend writes the loop its users write (Strategy.reference_loop)."""
+    from zerolens.strategies.base import Strategy
+    module, _, cls = spec(name).backend.partition(":")
+    return getattr(importlib.import_module(module), cls).reference_loop is not Strategy.reference_loop
+
+
 def predict_retained(name: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
                      reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
                      deepspeed: DeepSpeedLayout | None = None,
