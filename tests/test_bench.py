@@ -252,3 +252,18 @@ def test_a_ratio_is_the_median_of_the_rounds_with_their_range():
         console.print(line)
     text = console.export_text()
     assert "1.25 (1.20-1.30)" in text and "x 3 interleaved rounds" in text
+
+
+@pytest.mark.slow
+def test_fsdp2s_reference_loop_trains_what_fsdp2_trains(tmp_path):
+    """FSDP2's reference loop (fully_shard per block and the root, written without zerolens) beside
+    fsdp2 in its own processes: the same losses, bit for bit, and the harness's overhead reported."""
+    out = tmp_path / "bench"
+    result = zerolens("bench", "--strategies", "fsdp2", "--rounds", "1", "--warmup", "1", "--steps", "2",
+                      "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    mine, loop = (json.loads((out / "results" / f"{n}.json").read_text())["ranks"][0]
+                  for n in ("fsdp2", "reference-fsdp2"))
+    assert loop["losses"] == mine["losses"] and loop["process_id"] != mine["process_id"]
+    fsdp2 = json.loads((out / "bench.json").read_text())["strategies"]["fsdp2"]
+    assert fsdp2["reference_loop"].startswith("fully_shard") and fsdp2["harness_overhead_range"][0] is not None

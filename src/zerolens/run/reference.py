@@ -1,6 +1,6 @@
 """bench's reference loops: beside a strategy, the same model, batches and settings trained in the loop
 its backend's users write, without zerolens's training loop and probe (each backend writes its own:
-Strategy.reference_loop; DDP's and DeepSpeed's exist, FSDP2's not yet), each step timed as bench
+Strategy.reference_loop: DDP's, DeepSpeed's and FSDP2's), each step timed as bench
 times its own (the queue drained before and after, nothing else in between). Against them the
 strategies' step times give the harness's own cost (report/bench.py, `harness_overhead`).
 """

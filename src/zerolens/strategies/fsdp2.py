@@ -151,7 +151,10 @@ class TorchFSDP2(ScaledStrategy):
         """What FSDP2 keeps for its collectives from one op to the next (_fsdp_param_group.py): the
         last all-gather's flat output, until the next group's copy-in or the root's post-forward;
         reduce-scatter inputs, until the end of backward (_root_post_backward_final_callback).
-        Between phases both are gone."""
+        Between phases both are gone. Before the first forward, whose lazy initialisation makes the
+        communication context (FSDPState._is_root still None), there are none."""
+        if required(self.root_state, "_is_root") is None:
+            return []
         context = required(self.root_state, "_comm_ctx")
         if hasattr(context, "reduce_scatter_states"):  # torch 2.13: a list
             reduce_scatters = context.reduce_scatter_states
@@ -165,6 +168,35 @@ class TorchFSDP2(ScaledStrategy):
 
     def teardown(self):
         del self.module, self.optimizer, self.scaler, self.fsdp_params, self.root_state
+
+    def reference_loop(self, model, device):
+        """fully_shard on each repeated block, then the root, as torchtitan does, and torch's AdamW;
+        each micro-batch's gradients reduce-scattered, the global norm clipped."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        s = self.settings
+        model = model.to(device)
+        options = dict(mesh=self.device_mesh(device), reshard_after_forward=self.reshard_after_forward,
+                       mp_policy=self.mixed_precision())
+        for block in repeated_blocks(model):
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.fused_adam or None)
+        scaler = ShardedGradScaler(device.type, enabled=s.precision == "fp16")
+
+        def step(micro_batches):
+            for tokens, labels in micro_batches:
+                loss = loss_of(model(tokens.to(device)), labels.to(device)) / len(micro_batches)
+                scaler.scale(loss).backward()
+            if s.gradient_clipping:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.gradient_clipping)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step, lambda: None, "fully_shard per block and the root, torch.optim.AdamW"
 
     def describe(self):
         return {"backend": "torch.distributed.fsdp.fully_shard (FSDP2)",
