@@ -399,9 +399,11 @@ def print_header(config: RunConfig, out: Path) -> None:
             say(f"zerolens: {note}")
     accumulated = f" of {config.grad_accum} micro-batches each" if config.grad_accum > 1 else ""
     if config.job == "bench":
+        rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
+        references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
-            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}",
-            f"run folder: {out}")
+            f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"
+            f"{rounds}{references}", f"run folder: {out}")
     else:
         say(f"zerolens verify: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.steps} steps{accumulated}", f"run folder: {out}")
