@@ -5,7 +5,6 @@ import contextlib
 import gc
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,70 +20,36 @@ from zerolens.strategies import Strategy
 
 @dataclass
 class Phase:
-    """Which phase a rank is in, so a failure or a hang can say where it happened. With a heartbeat
-    (start_heartbeat), a thread of its own tells the launcher's hang watchdog (launch.py) where the
-    rank is and since when."""
+    """Which phase a rank is in, so a failure or a hang can say where it happened. `at` and `enter`
+    also write the rank's heartbeat, which the launcher's hang watchdog reads (launch.py)."""
     strategy: str = "-"
     step: int = -1
     name: str = "start"
     rank: int = 0
     fault: Fault | None = None  # ZEROLENS_FAULT, for tests of failures
     device: torch.device | None = None  # where a `leak` fault allocates
-    changed: float = field(default_factory=time.time)  # when the rank came here: the heartbeat's time
     heartbeat: Path | None = None
-    _beating: tuple[threading.Thread, threading.Event] | None = field(default=None, repr=False)
 
     def at(self, **where) -> None:
-        """Now at `where` (strategy, step, name)."""
+        """Now at `where` (strategy, step, name); said in the heartbeat."""
         for key, value in where.items():
             setattr(self, key, value)
-        self.changed = time.time()
+        if self.heartbeat is not None:
+            write_heartbeat(self.heartbeat, str(self))
 
     def enter(self, name: str) -> None:
         """Now in training phase `name`; where ZEROLENS_FAULT says so, fail here (faults.py)."""
         self.at(name=name)
         inject(self.fault, self.rank, self.step, name, self.device)
 
-    def start_heartbeat(self, path: Path) -> None:
-        """The heartbeat written to `path` (where the rank is, and since when) by a thread of its own,
-        whenever the phase has changed, at most every HEARTBEAT_PERIOD_S: written by the training
-        thread at each phase, it cost 166 us a write on a 2-core machine, four a step, 3% of a 20 ms
-        step, which a loop written without zerolens does not pay (bench's reference loops)."""
-        self.heartbeat = path
-        stop = threading.Event()
-
-        def beat():
-            written = None
-            while True:
-                now = (str(self), self.changed)
-                if now != written:
-                    write_heartbeat(path, *now)
-                    written = now
-                if stop.wait(HEARTBEAT_PERIOD_S) and (str(self), self.changed) == written:
-                    return
-        thread = threading.Thread(target=beat, name="zerolens-heartbeat", daemon=True)
-        thread.start()
-        self._beating = (thread, stop)
-
-    def stop_heartbeat(self) -> None:
-        """The last heartbeat written, and its thread ended."""
-        if self._beating is not None:
-            thread, stop = self._beating
-            stop.set()
-            thread.join(timeout=5)
-            self._beating = None
-
     def __str__(self):
         where = self.name if self.strategy == "-" else f"{self.name} of {self.strategy}"
         return where if self.step < 0 else f"{where} at step {self.step}"
 
 
-HEARTBEAT_PERIOD_S = 0.2  # how late a heartbeat may say a new phase: well under the watchdog's second
-
-
-def write_heartbeat(path: Path, where: str, since: float) -> None:
+def write_heartbeat(path: Path, where: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"where": where, "time": since, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"where": where, "time": time.time(), "pid": os.getpid()}))
     tmp.replace(path)  # the watchdog never reads half a file
 
 

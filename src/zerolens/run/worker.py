@@ -147,15 +147,14 @@ def versions() -> dict:
 
 
 def watch_for_hangs(logs: Path, rank: int, phase: Phase):
-    """What the launcher's hang watchdog (launch.py) reads: this rank's heartbeat, rewritten when
-    its phase changes (Phase.start_heartbeat), and its Python stack, dumped on SIGUSR1 (faulthandler
-    works even while the rank is blocked in a collective). Returns the open stack file, which must
-    stay open."""
+    """What the launcher's hang watchdog (launch.py) reads: this rank's heartbeat, rewritten at
+    every change of phase, and its Python stack, dumped on SIGUSR1 (faulthandler works even while
+    the rank is blocked in a collective). Returns the open stack file, which must stay open."""
     logs.mkdir(parents=True, exist_ok=True)
     stack_file = open(logs / f"stack_rank{rank}.txt", "w")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
-    phase.start_heartbeat(logs / f"heartbeat_rank{rank}.json")
+    phase.heartbeat = logs / f"heartbeat_rank{rank}.json"
     return stack_file
 
 
@@ -527,7 +526,6 @@ def run_rank(argv: list[str] | None) -> int:
         phase.at(strategy="-", step=-1, name="shutdown")
         dist.barrier()
         dist.destroy_process_group()
-        phase.stop_heartbeat()
         stop_watching(stack_file)
     except Exception as e:
         message = (out_of_memory_message(rank, phase, e) if isinstance(e, torch.OutOfMemoryError)
