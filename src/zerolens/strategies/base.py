@@ -65,17 +65,22 @@ def on_device(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, clipping: float) -> bool:
-    """The optimizer step of the torch-native strategies: unscale, clip the global gradient norm as
-    DeepSpeed does, step, zero. False when the (fp16) scaler skipped the step for inf/nan
-    gradients, which is exactly when it lowers its scale."""
-    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+def optimizer_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, clipping: float) -> None:
+    """The end of a training step as torch's users write it: unscale, clip the global gradient norm
+    as DeepSpeed does, step, update the (fp16) scale, zero."""
     if clipping > 0:
         scaler.unscale_(optimizer)  # clip the true gradients
         nn.utils.clip_grad_norm_(module.parameters(), clipping)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+
+
+def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, clipping: float) -> bool:
+    """The optimizer step of the torch-native strategies (optimizer_step). False when the (fp16)
+    scaler skipped the step for inf/nan gradients, which is exactly when it lowers its scale."""
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    optimizer_step(scaler, optimizer, module, clipping)
     return scale_before is None or scaler.get_scale() >= scale_before
 
 

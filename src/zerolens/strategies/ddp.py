@@ -13,6 +13,7 @@ from zerolens.strategies.base import (
     ScaledStrategy,
     TrainSettings,
     on_device,
+    optimizer_step,
     scaled_step_without_reading_values,
 )
 
@@ -144,12 +145,7 @@ class TorchDDP(ScaledStrategy):
                         logits = ddp(tokens.to(device))
                     loss = loss_of(logits, labels.to(device)) / len(micro_batches)
                     scaler.scale(loss).backward()
-            if s.gradient_clipping:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), s.gradient_clipping)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(scaler, optimizer, model, s.gradient_clipping)
             return loss.detach()
 
         return step, lambda: None, "DistributedDataParallel, torch.optim.AdamW, autocast"

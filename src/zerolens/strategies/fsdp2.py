@@ -12,6 +12,7 @@ from zerolens.strategies.base import (
     ScaledStrategy,
     TrainSettings,
     on_device,
+    optimizer_step,
     scaled_step_without_reading_values,
 )
 
@@ -188,12 +189,7 @@ class TorchFSDP2(ScaledStrategy):
             for tokens, labels in micro_batches:
                 loss = loss_of(model(tokens.to(device)), labels.to(device)) / len(micro_batches)
                 scaler.scale(loss).backward()
-            if s.gradient_clipping:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), s.gradient_clipping)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(scaler, optimizer, model, s.gradient_clipping)
             return loss.detach()
 
         return step, lambda: None, "fully_shard per block and the root, torch.optim.AdamW"
