@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
                    help="rounds of every strategy, interleaved (A B, A B, ...), each strategy in its own processes; "
                         "a ratio to DDP is the median over the rounds, with their range (default 3)")
     p.add_argument("--no-reference", action="store_true",
-                   help="leave out the reference loops (DDP's and DeepSpeed's own, written without zerolens), "
+                   help="leave out the reference loops (each backend's, written without zerolens), "
                         "which measure the harness's overhead beside each strategy in every round")
     p.set_defaults(func=command, job="bench", steps=10, strategies=",".join(registry.BENCH_DEFAULT), preset=None)
 

@@ -103,12 +103,7 @@ class TorchFSDP2(ScaledStrategy):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         self.device = device
         self.module = on_device(model, device)
-        options = dict(mesh=self.device_mesh(device), reshard_after_forward=self.reshard_after_forward,
-                       mp_policy=self.mixed_precision())
-        blocks = repeated_blocks(self.module)
-        for block in blocks:  # bottom-up: a group takes the parameters no inner group has taken
-            fully_shard(block, **options)
-        fully_shard(self.module, **options)
+        blocks = self.shard(self.module, device)
         # FSDP's per-parameter records: the padded shard, and the gathered copy during forward/backward.
         self.root_state = fully_shard.state(self.module)
         self.fsdp_params = [fsdp_param for module in [*blocks, self.module]
@@ -120,6 +115,18 @@ class TorchFSDP2(ScaledStrategy):
         # each rank sees only its shard of the gradients. Disabled, it does nothing.
         self.scaler = ShardedGradScaler(device.type, enabled=self.settings.precision == "fp16")
         self.block_count = len(blocks)
+
+    def shard(self, module, device) -> list:
+        """fully_shard on each repeated block, bottom-up (a group takes the parameters no inner group has
+        taken), then on the root; returns the blocks."""
+        from torch.distributed.fsdp import fully_shard
+        options = dict(mesh=self.device_mesh(device), reshard_after_forward=self.reshard_after_forward,
+                       mp_policy=self.mixed_precision())
+        blocks = repeated_blocks(module)
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+        return blocks
 
     def optimizer_options(self) -> dict:
         return {}
@@ -173,15 +180,10 @@ class TorchFSDP2(ScaledStrategy):
     def reference_loop(self, model, device):
         """fully_shard on each repeated block, then the root, as torchtitan does, and torch's AdamW;
         each micro-batch's gradients reduce-scattered, the global norm clipped."""
-        from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         s = self.settings
         model = model.to(device)
-        options = dict(mesh=self.device_mesh(device), reshard_after_forward=self.reshard_after_forward,
-                       mp_policy=self.mixed_precision())
-        for block in repeated_blocks(model):
-            fully_shard(block, **options)
-        fully_shard(model, **options)
+        self.shard(model, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.fused_adam or None)
         scaler = ShardedGradScaler(device.type, enabled=s.precision == "fp16")
 

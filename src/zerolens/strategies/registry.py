@@ -67,10 +67,13 @@ class StrategySpec:
     unpadded: Unpadded
     communication: Communication | None = None  # None: not known (plan ranks it last)
 
+    def backend_class(self):
+        module, _, cls = self.backend.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
     def build(self, settings):
         """The backend, ready for setup."""
-        module, _, cls = self.backend.partition(":")
-        strategy = getattr(importlib.import_module(module), cls)(settings, **self.options)
+        strategy = self.backend_class()(settings, **self.options)
         strategy.name = self.name
         return strategy
 
@@ -132,8 +135,7 @@ def make_strategy(name: str, settings):
 def has_reference_loop(name: str) -> bool:
     """Whether the strategy's backend writes the loop its users write (Strategy.reference_loop)."""
     from zerolens.strategies.base import Strategy
-    module, _, cls = spec(name).backend.partition(":")
-    return getattr(importlib.import_module(module), cls).reference_loop is not Strategy.reference_loop
+    return spec(name).backend_class().reference_loop is not Strategy.reference_loop
 
 
 def predict_retained(name: str, param_numels: list[int], world_size: int, rank: int, precision: str, *,
