@@ -119,6 +119,24 @@ def test_a_cpu_target_holds_gloos_copy_of_each_reduce_scatter_input(unrounded):
     assert sum(zero2["gloo_late_free_bytes"]["backward"]) in (flat + flat // 2, 2 * flat)
 
 
+def test_gloos_copies_are_made_around_the_reduce_scatter_that_torch_2_11_names_reduce_scatter_tensor(monkeypatch):
+    """torch 2.11 and 2.12 have no reduce_scatter_single: FSDP2 calls reduce_scatter_tensor, and the
+    CPU trace makes gloo's copy around that one (on the GPU machine's torch 2.11, looking for
+    reduce_scatter_single failed every CPU prediction), and puts it back afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    from zerolens.predict.peak import gloo_reduce_scatter_copies
+    calls = []
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", lambda output, input, **kwargs: calls.append(kwargs))
+    original = dist.reduce_scatter_tensor
+    with gloo_reduce_scatter_copies() as sizes:
+        dist.reduce_scatter_tensor(torch.empty(4), torch.empty(8), async_op=False)
+    assert calls == [{"async_op": False}] and sizes == [32, 16]
+    assert dist.reduce_scatter_tensor is original and not hasattr(dist, "reduce_scatter_single")
+
+
 @pytest.mark.parametrize("name", ["case-study-default", "gpt-1b-default"])
 def test_the_cublas_workspaces_are_what_an_h200_kept(name):
     """Measured, not restated: after three training steps recorded on an H200 (tests/fixtures/allocator,

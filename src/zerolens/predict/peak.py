@@ -294,14 +294,18 @@ def gloo_reduce_scatter_copies():
     the calling thread, where the CPU measurement sees it (ProcessGroupGloo::reduce_scatter_tensor_
     coalesced: buffers.push_back(inputTensors[i].clone())), alive until the collective is waited on.
     The fake process group copies nothing, so the trace makes that copy around each blocking
-    reduce_scatter_single (FSDP2's; NCCL, on CUDA, makes none). On the tiny Llama of examples/hf it
+    reduce_scatter_single (FSDP2's; named reduce_scatter_tensor before torch 2.13; NCCL, on CUDA,
+    makes none). On the tiny Llama of examples/hf it
     was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
     copies' sizes in bytes, and the outputs': gloo's own thread holds a copy too, and now and then
     frees it after the next operation has allocated (checks.peak_prediction_check allows for one such
     buffer in the phase that ran it; a step model whose collectives are modelled, not run, lists their
     buffers' sizes as `collective_buffer_sizes`)."""
     import torch.distributed as dist
-    original = dist.reduce_scatter_single
+    # FSDP2 looks the function up by name at each call: reduce_scatter_single from torch 2.13,
+    # reduce_scatter_tensor before it (torch 2.11 has no reduce_scatter_single).
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
     sizes: list[int] = []
 
     def reduce_scatter_single(output, input, *args, **kwargs):
@@ -314,11 +318,11 @@ def gloo_reduce_scatter_copies():
         finally:
             del copy
 
-    dist.reduce_scatter_single = reduce_scatter_single
+    setattr(dist, name, reduce_scatter_single)
     try:
         yield sizes
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, name, original)
 
 
 def target_capability(device: str) -> tuple[int, int] | None:
