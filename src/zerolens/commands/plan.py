@@ -83,17 +83,18 @@ class Candidate:
                 + (f"-bucket{self.reduce_bucket_size:.0e}".replace("+", "") if self.reduce_bucket_size else ""))
 
 
-def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int]) -> dict:
+def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=None) -> dict:
     """What a one-strategy config needs on each GPU, for its rank that needs the most: the smallest cap
     under which the caching allocator runs its allocations (the allocator setting of this process's
     PYTORCH_CUDA_ALLOC_CONF) plus what the process holds outside the allocator (`needs_bytes`), the
     same with expandable segments (`needs_expandable_bytes`), and its allocated peaks; or why it is not
-    predicted (`why_not`)."""
+    predicted (`why_not`). `trace`: as peak.predict_or_why_not (`scaled_from` says where a
+    MicroBatchScaling scaled the trace from others)."""
     from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes
     from zerolens.predict.peak import predicted_peaks
     registry.load_plugins()  # in a pool's fresh process too
     name = config.strategies[0]
-    predicted = predicted_peaks(config, cuda_capability)[name]
+    predicted = predicted_peaks(config, cuda_capability, trace=trace)[name]
     if "ranks" not in predicted:
         return {"why_not": predicted["why_not"]}
     setting, _ = allocator_setting()
@@ -109,7 +110,8 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int]) -> dict:
             "needs_expandable_bytes": max(ranks[r]["min_allocator_cap_bytes"]["expandable_segments"]
                                           for r in replayed) + outside,
             "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
-            **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")}}
+            **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")},
+            **({"scaled_from": peaks["scaled_from"]} if "scaled_from" in peaks else {})}
 
 
 def with_depth(config: RunConfig, depth: int) -> RunConfig:
@@ -278,21 +280,19 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
 
 def grid_rows(config: RunConfig, grid: list[tuple], micro_batches: list[int], memory: int, params: int,
               cuda_capability: tuple[int, int], executor, progress) -> tuple[list, list, dict]:
-    """The grid's candidates predicted, micro-batch by micro-batch from the smallest, each (strategy,
-    checkpointing, bucket) until its first that does not fit: the rows that fit, those that do not,
-    and why a strategy is not predicted. `params`: the model's parameter count."""
+    """The grid's candidates predicted, each (strategy, checkpointing, bucket) in one process from the
+    smallest micro-batch until its first that does not fit (micro_batch_walk): the rows that fit,
+    those that do not, and why a strategy is not predicted. `params`: the model's parameter count."""
     rows, too_large, not_predicted = [], [], {}
-    alive = grid
-    for micro_batch in sorted(micro_batches):
-        if not alive:
-            break
-        if progress:
-            progress(f"micro-batch {micro_batch}: {len(alive)} configurations")
-        candidates = [Candidate(name, micro_batch, ckpt, bucket) for name, ckpt, bucket in alive]
-        futures = [executor.submit(predicted_peak, c.config(config), cuda_capability) for c in candidates]
-        still = []
-        for c, future in zip(candidates, futures):
-            peak = future.result()
+    if progress:
+        progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
+                 "until one does not fit")
+    walks = [executor.submit(micro_batch_walk, config, element, micro_batches, memory, cuda_capability)
+             for element in grid]
+    for (name, ckpt, bucket), walk in zip(grid, walks):
+        predicted = walk.result()
+        for micro_batch, peak in predicted:
+            c = Candidate(name, micro_batch, ckpt, bucket)
             if "why_not" in peak:
                 not_predicted.setdefault(c.strategy, peak["why_not"])
                 continue
@@ -302,13 +302,35 @@ def grid_rows(config: RunConfig, grid: list[tuple], micro_batches: list[int], me
                    "fits_with_expandable_segments": peak["needs_expandable_bytes"] <= memory,
                    "sent_per_step_bytes": sent,
                    "sent_per_sample_bytes": None if sent is None else sent / c.micro_batch}
-            if peak["needs_bytes"] <= memory:
-                rows.append(row)
-                still.append((c.strategy, c.checkpointing, c.reduce_bucket_size))
-            else:  # a larger micro-batch would need more still
-                too_large.append(row)
-        alive = still
+            (rows if peak["needs_bytes"] <= memory else too_large).append(row)
+        if progress and predicted:
+            fitting = [mb for mb, peak in predicted if peak.get("needs_bytes", memory + 1) <= memory]
+            scaled = sum("scaled_from" in peak for _, peak in predicted)
+            progress(f"{Candidate(name, 0, ckpt, bucket).label().replace('-mb0', '')}: "
+                     + (f"fits up to micro-batch {max(fitting)}" if fitting else "does not fit")
+                     + (f" ({scaled} of {len(predicted)} scaled from the traces of smaller ones)" if scaled else ""))
     return rows, too_large, not_predicted
+
+
+def micro_batch_walk(config: RunConfig, element: tuple, micro_batches: list[int], memory: int,
+                     cuda_capability: tuple[int, int]) -> list[tuple[int, dict]]:
+    """One (strategy, checkpointing, bucket) of the grid predicted at each micro-batch from the smallest
+    until the first that does not fit (a larger one would need more still), or is not predicted: per
+    micro-batch its predicted_peak. In one process, so that, where a strategy's last three traces lie
+    on a line in the micro-batch, the larger micro-batches are scaled from them, not traced
+    (predict/micro_batches.py)."""
+    from zerolens.predict.micro_batches import MicroBatchScaling
+    registry.load_plugins()  # in a pool's fresh process too
+    name, ckpt, bucket = element
+    scaling = MicroBatchScaling()
+    walked = []
+    for micro_batch in sorted(micro_batches):
+        peak = predicted_peak(Candidate(name, micro_batch, ckpt, bucket).config(config), cuda_capability,
+                              trace=scaling)
+        walked.append((micro_batch, peak))
+        if "why_not" in peak or peak["needs_bytes"] > memory:
+            break
+    return walked
 
 
 class _InProcess:

@@ -71,7 +71,7 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
     return sum(sum(sizes) for sizes in cublas_workspaces(capability).values())
 
 
-def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
+def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw: dict | None = None):
     """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
     figures at every operation, which the prediction does not read: that took most of the time of
     gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's).
@@ -81,7 +81,9 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
     in the order streams are met, 0 the default one: the allocator keeps each stream's blocks apart,
     and FSDP2 makes its all-gather and reduce-scatter buffers on streams of its own (torch.cpu keeps
     a current stream as torch.cuda does, so a trace on the CPU sees the same ones). A block's free
-    is the stream's at once: nothing on the traced paths calls record_stream, which would delay it."""
+    is the stream's at once: nothing on the traced paths calls record_stream, which would delay it.
+    `raw`, where given, gets each request's storage bytes before the tracker's rounding (predict/
+    micro_batches.py scales them)."""
     from torch.distributed._tools.mem_tracker import _UpdateType
 
     from zerolens.measure.tracker import memory_tracker_class
@@ -103,6 +105,8 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda"):
                     request, stream = next(ids), stream_number(winfo.device)
                     live[id(winfo)] = request, stream
                     requests.append(("alloc", request, winfo.mem_consumed, stream))
+                    if raw is not None:
+                        raw[request] = winfo.size * winfo.element_size
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
     def stream_key(device: torch.device):
@@ -134,10 +138,13 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
 
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                 cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
-                requests: list | None = None, brackets: bool = False) -> tuple[dict, dict]:
-    """predict_peaks, and what a splice needs of the trace (`brackets`: the step model's rank_own
-    brackets and each phase's start recorded in the allocation sequence, whatever the target):
-    `requests`, `phase_peaks` (the tracker's peak per (step, phase)), `held`, `step_model`."""
+                requests: list | None = None, brackets: bool = False, marks: bool = False) -> tuple[dict, dict]:
+    """predict_peaks, and the trace's record, what a splice (spliced_ranks) or a scaling to other
+    micro-batches (predict/micro_batches.py) needs of it: `requests`, the allocation sequence (with
+    each phase's start marked where `marks` or `brackets`, and with `brackets` the step model's
+    rank_own brackets, whatever the target), `raw` (each allocation's bytes before rounding),
+    `phase_peaks` (the tracker's peak per (step, phase)), `held`, `step_model`, and what rank_outcome
+    needs besides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerolens.measure.tracker import reset_tracker_peak, tracker_total
@@ -153,8 +160,10 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         requests = []
     if brackets:
         step_model.mark = lambda action, label, payload: requests.append((action, label, payload, 0))
+    marks = (marks and requests is not None) or brackets
     workspaces = cublas_workspaces(cuda_capability)
-    tracker = totals_tracker(requests, device.type)
+    raw: dict = {}
+    tracker = totals_tracker(requests, device.type, raw)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
@@ -175,7 +184,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         @contextlib.contextmanager
         def phase(name: str, into: dict):
             reset_tracker_peak(tracker)
-            if brackets:
+            if marks:
                 requests.append(("phase", (len(traced) - 1, name), None, 0))
             if requests is not None and len(traced) == 1:  # the first step allocates the workspaces
                 requests.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
@@ -204,17 +213,29 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             with phase("step", traced[-1]):
                 step_model.step()
         held = tracker_total(tracker, "current")
-    workspace = cublas_workspace_bytes(cuda_capability)
-    out = peaks_of(traced, held, workspace)
-    # A trace with brackets stands for every rank: spliced_ranks gives each its own needs
-    needs = allocator_needs(plain_requests(requests)) if cuda_capability is not None and not brackets else {}
-    out |= needs | {"cublas_workspace_bytes": workspace,
-                    "target": "cpu" if cuda_capability is None else "cuda", "traced_on": traced_on(device),
-                    "batch_bytes": tokens.nbytes + labels.nbytes,
-                    "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
-                    if cuda_capability is None else {}}
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
-    return out, {"requests": requests, "phase_peaks": phase_peaks, "held": held, "step_model": step_model}
+    record = {"requests": requests, "raw": raw, "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
+              "brackets": brackets, "cuda_capability": cuda_capability, "traced_on": traced_on(device),
+              "batch_bytes": tokens.nbytes + labels.nbytes,
+              "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
+              if cuda_capability is None else {}}
+    return rank_outcome(record), record
+
+
+def rank_outcome(record: dict) -> dict:
+    """predict_peaks from a trace's record (traced_rank's, or one scaled from others): the peaks, and
+    for a CUDA target the allocator model's figures, except for a trace with brackets, which stands
+    for every rank (spliced_ranks gives each its own)."""
+    cuda_capability = record["cuda_capability"]
+    steps = 1 + max(step for step, _ in record["phase_peaks"])
+    traced = [{phase: record["phase_peaks"][(step, phase)] for phase in PHASES} for step in range(steps)]
+    workspace = cublas_workspace_bytes(cuda_capability)
+    out = peaks_of(traced, record["held"], workspace)
+    brackets = record["brackets"]
+    needs = allocator_needs(plain_requests(record["requests"])) if cuda_capability is not None and not brackets else {}
+    return out | needs | {"cublas_workspace_bytes": workspace, "target": "cpu" if cuda_capability is None else "cuda",
+                          "traced_on": record["traced_on"], "batch_bytes": record["batch_bytes"],
+                          "gloo_late_free_bytes": record["gloo_late_free_bytes"]}
 
 
 def peaks_of(traced: list[dict[str, int]], held: int, workspace: int) -> dict:
@@ -385,28 +406,34 @@ def why_not_predicted(name: str, config) -> str | None:
     return why_not_traced(name, config.model, config.train_settings())
 
 
-def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None) -> dict[str, dict]:
+def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None,
+                    trace=None) -> dict[str, dict]:
     """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
-    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer)."""
+    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer). `trace`:
+    as predict_or_why_not."""
     return {name: predict_or_why_not(name, config.model, config.train_settings(), seed=config.seed,
-                                     cuda_capability=cuda_capability, trace_on=trace_on,
+                                     cuda_capability=cuda_capability, trace_on=trace_on, trace=trace,
                                      steps=min(STEPS, config.steps + config.warmup_steps)) for name in config.strategies}
 
 
-def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
+def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, *, trace=None,
+                       **options) -> dict:
     """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}: for ZeRO-1/2,
     one trace spliced for every rank (spliced_ranks); else one trace standing for all the ranks that
     allocate alike (ranks_alike). A model that cannot be traced on fake tensors is not predicted, and
-    its run goes on; the traceback is kept (`traceback`) in case the fault is a step model's."""
+    its run goes on; the traceback is kept (`traceback`) in case the fault is a step model's.
+    `trace`: what traces a rank, traced_rank's signature (traced_rank itself where None; plan's
+    micro_batches.MicroBatchScaling, which scales earlier traces where they allow)."""
     why = why_not_traced(name, model_config, settings)
     if why:
         return {"why_not": why}
+    trace = trace or traced_rank
     try:
         spec = registry.spec(name)
         if spec.flat_partition and hasattr(spec.step_model_class(), "rank_requests"):
-            return {"ranks": spliced_ranks(name, model_config, settings, **options)}
+            return {"ranks": spliced_ranks(name, model_config, settings, trace=trace, **options)}
         alike = ranks_alike(name, model_config, settings)
-        traced = {rank: predict_peaks(name, model_config, settings, rank=rank, **options) for rank in set(alike.values())}
+        traced = {rank: trace(name, model_config, settings, rank=rank, **options)[0] for rank in set(alike.values())}
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
         return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
@@ -421,7 +448,7 @@ ALLOCATOR_REPLAYS = 8
 
 
 def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings, *,
-                  cuda_capability: tuple[int, int] | None = None, **options) -> list[dict]:
+                  cuda_capability: tuple[int, int] | None = None, trace=None, **options) -> list[dict]:
     """Every rank's predict_peaks from one trace, for a step model whose ranks differ only in what it
     allocates inside its rank_own brackets (DeepSpeed ZeRO-1/2: each rank's gradient buffer, the
     pieces of its slice, its padding). Rank 0 is traced with the brackets marked; each rank's
@@ -431,8 +458,8 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
     ALLOCATOR_REPLAYS of them, those with the highest allocated peaks; a rank whose sequence was not
     replayed says so (`allocator_not_replayed`) and has no allocator figures.
     tests/test_predict_peak.py checks every rank against its own trace."""
-    out, record = traced_rank(name, model_config, settings, rank=0, cuda_capability=cuda_capability,
-                              brackets=True, **options)
+    out, record = (trace or traced_rank)(name, model_config, settings, rank=0, cuda_capability=cuda_capability,
+                                         brackets=True, **options)
     requests, step_model = record["requests"], record["step_model"]
     template_peaks, template_end = sequence_peaks(requests)
     beside = {key: peak - template_peaks[key] for key, peak in record["phase_peaks"].items()}
