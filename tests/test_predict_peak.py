@@ -225,7 +225,7 @@ def test_a_model_that_cannot_be_traced_is_not_predicted_and_says_why(monkeypatch
 
     def fails(*args, **kwargs):
         raise RuntimeError("data-dependent output\nmore lines")
-    monkeypatch.setattr(predict_peak, "predict_peaks", fails)
+    monkeypatch.setattr(predict_peak, "traced_rank", fails)
     config = RunConfig(strategies=("ddp", unpredicted_strategy), baseline="ddp", preset="gpt-tiny",
                        model=PRESETS["gpt-tiny"])
     predicted = predict_peak.predicted_peaks(config, None)

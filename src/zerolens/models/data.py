@@ -73,7 +73,9 @@ def lm_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size:
     follows = torch.rand(batch_size, seq_len, generator=gen) < signal
     for t in range(seq_len):
         sequence[:, t + 1] = torch.where(follows[:, t], successor[sequence[:, t]], noise[:, t])
-    return sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous()
+    # clone, not contiguous: at batch size 1 both slices are contiguous already and would share one
+    # storage, which a trace then sees otherwise than at any other size (predict/micro_batches.py)
+    return sequence[:, :-1].clone(), sequence[:, 1:].clone()
 
 
 def global_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int,
