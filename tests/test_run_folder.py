@@ -76,3 +76,29 @@ def test_a_symbolic_link_as_out_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a symbolic link" in err and len(err.strip().splitlines()) == 1
     assert target.is_dir() and (tmp_path / "link").is_symlink()
+
+
+def test_a_heartbeat_is_rewritten_in_place_and_always_reads_whole(tmp_path):
+    """train.Heartbeat: one record read back, whatever came before it (a longer one, written another way)."""
+    import json
+
+    from zerolens.run.train import Heartbeat
+    heartbeat = Heartbeat(tmp_path / "heartbeat_rank0.json")
+    for where in ("forward of ddp at step 0", "x" * 600, "step of ddp at step 1", "backward"):
+        heartbeat.write(where)
+        beat = json.loads((tmp_path / "heartbeat_rank0.json").read_text())
+        assert beat["where"] == where and beat["time"] > 0
+    heartbeat.close()
+
+
+def test_the_watchdog_keeps_a_beat_it_read_whole_when_the_next_read_meets_a_write(tmp_path):
+    import json
+    import time
+
+    from zerolens.run.launch import HangWatchdog
+    watchdog = HangWatchdog(tmp_path, nproc=1, timeout=60)
+    beat = {"where": "forward of ddp at step 3", "time": time.time(), "pid": 1}
+    (tmp_path / "heartbeat_rank0.json").write_text(json.dumps(beat))
+    assert watchdog.heartbeats() == {0: beat}
+    (tmp_path / "heartbeat_rank0.json").write_text(json.dumps(beat)[:20])  # half a rewrite
+    assert watchdog.heartbeats() == {0: beat}

@@ -224,18 +224,20 @@ class HangWatchdog(threading.Thread):
         self.verdict: str | None = None
         self.firing = threading.Event()  # set once the timeout has passed and the diagnosis began
         self.started = time.time()
+        self.last_read: dict[int, dict] = {}  # each rank's last heartbeat read whole
 
     def heartbeats(self) -> dict[int, dict]:
-        """This launch's heartbeats (an earlier launch's, in the same run folder, are older than it)."""
-        beats = {}
+        """This launch's heartbeats (an earlier launch's, in the same run folder, are older than it).
+        A heartbeat read while its rank rewrites it (train.Heartbeat: in place) may not parse: the one
+        read before stands."""
         for rank in range(self.nproc):
             try:
                 beat = json.loads((self.logs / f"heartbeat_rank{rank}.json").read_text())
             except (OSError, ValueError):
-                continue  # not started yet
+                continue  # not started yet, or met half written
             if beat["time"] >= self.started:
-                beats[rank] = beat
-        return beats
+                self.last_read[rank] = beat
+        return dict(self.last_read)
 
     def run(self):
         while not self.stop.wait(1.0):

@@ -28,14 +28,14 @@ class Phase:
     rank: int = 0
     fault: Fault | None = None  # ZEROLENS_FAULT, for tests of failures
     device: torch.device | None = None  # where a `leak` fault allocates
-    heartbeat: Path | None = None
+    heartbeat: Heartbeat | None = None
 
     def at(self, **where) -> None:
         """Now at `where` (strategy, step, name); said in the heartbeat."""
         for key, value in where.items():
             setattr(self, key, value)
         if self.heartbeat is not None:
-            write_heartbeat(self.heartbeat, str(self))
+            self.heartbeat.write(str(self))
 
     def enter(self, name: str) -> None:
         """Now in training phase `name`; where ZEROLENS_FAULT says so, fail here (faults.py)."""
@@ -47,10 +47,35 @@ class Phase:
         return where if self.step < 0 else f"{where} at step {self.step}"
 
 
-def write_heartbeat(path: Path, where: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"where": where, "time": time.time(), "pid": os.getpid()}))
-    tmp.replace(path)  # the watchdog never reads half a file
+class Heartbeat:
+    """A rank's heartbeat file: where it is, when it got there, its pid, as JSON, rewritten in place at
+    every change of phase (four a step). One pwrite of a record padded to RECORD bytes on a file kept
+    open: a temporary file written and renamed each time took 166 us on a 2-core machine, about 0.6%
+    of gpt-1b's 116 ms DDP step on an H200, inside the timed steps. A read that meets a write half
+    done fails to parse, and the watchdog keeps the beat it read before (launch.HangWatchdog)."""
+    RECORD = 512
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = None
+
+    def write(self, where: str) -> None:
+        record = json.dumps({"where": where, "time": time.time(), "pid": os.getpid()}).encode()
+        if len(record) > self.RECORD:  # a phase named at great length: written whole, another way
+            self.close()
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_bytes(record)
+            tmp.replace(self.path)
+            return
+        if self.fd is None:
+            # truncated: a longer record written another way may be there
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self.fd, record.ljust(self.RECORD), 0)  # spaces after JSON still parse
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 @dataclass

@@ -50,7 +50,7 @@ from zerolens.run.launch import LAUNCHER_PID, OUT_OF_MEMORY
 from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
 from zerolens.run.reference import PREFIX as REFERENCE_PREFIX
 from zerolens.run.reference import reference_of, run_reference
-from zerolens.run.train import Phase, train
+from zerolens.run.train import Heartbeat, Phase, train
 from zerolens.strategies import make_strategy, registry
 from zerolens.strategies.base import PHASES
 from zerolens.units import size
@@ -154,7 +154,7 @@ def watch_for_hangs(logs: Path, rank: int, phase: Phase):
     stack_file = open(logs / f"stack_rank{rank}.txt", "w")
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
-    phase.heartbeat = logs / f"heartbeat_rank{rank}.json"
+    phase.heartbeat = Heartbeat(logs / f"heartbeat_rank{rank}.json")
     return stack_file
 
 
