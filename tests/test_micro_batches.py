@@ -76,7 +76,7 @@ def test_traces_off_the_line_are_not_scaled(monkeypatch):
         out, record = real(name, model_config, settings, **options)
         ident = next(r[1] for r in record["requests"] if r[0] == "alloc" and r[1] in record["raw"])
         record["raw"][ident] = 512 * settings.micro_batch ** 2
-        record["requests"] = [(a, i, micro_batches.cuda_rounded(record["raw"][i]) if i == ident and a == "alloc" else s, st)
+        record["requests"] = [(a, i, micro_batches.cuda_bytes(record["raw"][i]) if i == ident and a == "alloc" else s, st)
                               for a, i, s, st in record["requests"]]
         return out, record
 

@@ -320,7 +320,6 @@ def micro_batch_walk(config: RunConfig, element: tuple, micro_batches: list[int]
     on a line in the micro-batch, the larger micro-batches are scaled from them, not traced
     (predict/micro_batches.py)."""
     from zerolens.predict.micro_batches import MicroBatchScaling
-    registry.load_plugins()  # in a pool's fresh process too
     name, ckpt, bucket = element
     scaling = MicroBatchScaling()
     walked = []

@@ -20,15 +20,11 @@ import dataclasses
 
 from zerolens.models.model import ModelConfig
 from zerolens.predict.peak import rank_outcome, sequence_peaks, traced_rank
+from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings
 
 # The traces a scaling needs: two that draw the line, a third that checks it.
 TRACES = 3
-
-
-def cuda_rounded(size: int) -> int:
-    """A CUDA storage's bytes as the tracker counts them (a multiple of 512: predict/without_gpu.py)."""
-    return -(-size // 512) * 512
 
 
 class MicroBatchScaling:
@@ -59,7 +55,7 @@ class MicroBatchScaling:
                 return rank_outcome(record) | {"scaled_from": sorted(records)}, record
         out, record = traced_rank(name, model_config, settings, cuda_capability=cuda_capability, marks=True,
                                   **options)
-        if record["requests"] is not None and micro_batch not in records and (not records or micro_batch > max(records)):
+        if record["requests"] is not None and (not records or micro_batch > max(records)):
             records[micro_batch] = record
             if len(records) > TRACES:
                 del records[min(records)]
@@ -100,14 +96,15 @@ def not_on_a_line(records: dict[int, dict]) -> str | None:
                 if not r1[2] == r2[2] == r3[2]:
                     return "a workspace's size differs between the traces"
                 continue
-            if any(r[2] != cuda_rounded(size) for r, size in zip((r1, r2, r3), sizes)):
+            if any(r[2] != cuda_bytes(size) for r, size in zip((r1, r2, r3), sizes)):
                 return "the tracker's bytes are not the storages' rounded to 512"
             if on_line(sizes[0], sizes[1], b1, b2, b3) != sizes[2]:
                 return "an allocation's bytes are not on a line in the micro-batch"
-        elif r1[0] not in ("free",) and (r1[2] != r2[2] or r1[2] != r3[2]):
+        elif r1[0] != "free" and (r1[2] != r2[2] or r1[2] != r3[2]):
             return "a mark's payload differs between the traces"
+    counted = [figures(record) for record in (first, second, third)]
     for figure in ("beside", "held_beside", "batch_bytes"):
-        values = [figures(record)[figure] for record in (first, second, third)]
+        values = [each[figure] for each in counted]
         if on_line(values[0], values[1], b1, b2, b3) != values[2]:
             return f"the tracker's {figure.replace('_', ' ')} are not on a line in the micro-batch"
     return None
@@ -147,7 +144,7 @@ def scaled_record(records: dict[int, dict], micro_batch: int) -> dict | None:
             if size is None or size < 0:
                 return None
             raw[r1[1]] = size
-            requests.append((r1[0], r1[1], cuda_rounded(size), r1[3]))
+            requests.append((r1[0], r1[1], cuda_bytes(size), r1[3]))
         else:
             requests.append(r1)
     beside = on_line(figures(first), figures(second), b1, b2, micro_batch)

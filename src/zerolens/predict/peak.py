@@ -37,7 +37,7 @@ from zerolens.models.model import (
     trainable_flags,
 )
 from zerolens.predict.allocator import allocator_needs
-from zerolens.predict.without_gpu import gpu_behaviour
+from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
 from zerolens.units import MiB
@@ -474,8 +474,7 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
         def tracked_bytes(size: int) -> int:
             return size
     else:  # as MemTracker counts a CUDA storage (and predict/without_gpu.py for CPU tensors standing for one)
-        def tracked_bytes(size: int) -> int:
-            return -(-size // 512) * 512
+        tracked_bytes = cuda_bytes
     base, base_end = without_brackets(requests)
     ranks, contents = [], []
     for rank in range(settings.world_size):

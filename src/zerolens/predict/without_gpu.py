@@ -120,10 +120,15 @@ def fused_dropout(cpu_dropout):
     return dropout
 
 
+def cuda_bytes(size: int) -> int:
+    """What a storage of `size` bytes costs the caching allocator: a multiple of 512 bytes (MemTracker's
+    rule for CUDA storages)."""
+    return -(-size // 512) * 512
+
+
 def round_as_cuda(info) -> int:
-    """What a storage costs the caching allocator: a multiple of 512 bytes (MemTracker's rule for
-    CUDA storages, here for the CPU tensors that stand for them)."""
-    return -(-info.size * info.element_size // 512) * 512
+    """cuda_bytes of a tracked storage, for the CPU tensors that stand for CUDA ones."""
+    return cuda_bytes(info.size * info.element_size)
 
 
 # CUDA's autocast policy, read from torch's source (aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
