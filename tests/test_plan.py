@@ -1,4 +1,5 @@
 """`zerolens plan`: what fits a GPU's memory, predicted on fake tensors (no GPU, no process group)."""
+import dataclasses
 import json
 
 import pytest
@@ -93,6 +94,25 @@ def test_the_deepest_model_fits_and_one_layer_more_does_not():
     assert any(line.endswith("more than the memory") for line in lines)
 
 
+def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypatch):
+    """The depth search's first deep trial is the config's own depth, whose prediction the grid's walk made
+    already: taken from it, not traced again."""
+    config = dataclasses.replace(tiny("ddp"), micro_batch=2)
+    memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
+    calls = []
+    real = plan.predicted_peak
+    monkeypatch.setattr(plan, "predicted_peak", lambda c, cap, trace=None: calls.append(
+        (c.model.num_layers, c.micro_batch, trace is None)) or real(c, cap, trace=trace))
+    result = plan.plan(config, memory=memory, micro_batches=[1, 2], reduce_bucket_sizes=[config.reduce_bucket_size],
+                       cuda_capability=(9, 0))
+    deepest = result["deepest"]["strategies"]["ddp"]
+    start = config.model.num_layers
+    grid = next(r for r in result["fits"] + result["does_not_fit"] if r["micro_batch"] == 2 and not r["checkpointing"])
+    assert deepest["traced"][str(start)] == grid["needs_bytes"]
+    assert (start, 2, True) not in calls and (start, 2, False) in calls  # the walk's, not the search's
+    assert (1, 2, True) in calls
+
+
 def test_a_bigger_bucket_is_a_configuration_of_its_own():
     result = plan.plan(tiny("zero2"), memory=2 * GiB, micro_batches=[1], reduce_bucket_sizes=[200_000, 50_000_000],
                        cuda_capability=(9, 0), depth_search=False)
@@ -168,20 +188,23 @@ def test_plan_offers_no_flag_of_a_training_run_alone(cli):
     lambda d: 5 + d,  # hardly grows: the cap
 ])
 @pytest.mark.parametrize("memory", [900, 1040, 1500, 3333, 20000])
-def test_the_depth_search_finds_what_trying_every_depth_finds(need, memory):
+@pytest.mark.parametrize("start", [None, 2, 16, 40])
+def test_the_depth_search_finds_what_trying_every_depth_finds(need, memory, start):
     """plan's depth search against trying every depth: the deepest that fits, one layer more does not
-    (or the cap, 64 here). Where the need is linear it takes at most five trials (four, but where the
-    line reaches past 16 times the deepest depth tried)."""
+    (or the cap, 64 here), from any depth the config starts at. Where the need is linear it takes one
+    layer, the start and the pair that ends it (five without a start: the line through one and two
+    layers, then the pair, but where the line reaches past 16 times the deepest depth tried)."""
     tried = []
 
     def traced(depth):
         tried.append(depth)
         return need(depth)
-    found = plan.deepest_fitting(traced, memory, 64)
+    found = plan.deepest_fitting(traced, memory, 64, start=start)
     fitting = [d for d in range(1, 65) if need(d) <= memory and all(need(e) <= memory for e in range(1, d))]
     assert found == max(fitting, default=0)
     assert len(tried) == len(set(tried))
     if found:
         assert found in tried and (found == 64 or found + 1 in tried)
+        assert start is None or start in tried
     if need(7) == 1000 + 37 * 7 and found < 64:
-        assert len(tried) <= 5, tried
+        assert len(tried) <= (4 if start and found < 16 * start else 5), tried

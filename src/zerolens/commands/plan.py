@@ -119,17 +119,18 @@ def with_depth(config: RunConfig, depth: int) -> RunConfig:
 
 
 def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int], *, predict=None,
-                  progress=None) -> dict:
+                  known=None, progress=None) -> dict:
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
-    strategy (deepest_fitting; `traced`: every depth predicted and its need).
+    strategy (deepest_fitting, from the config's own depth; `traced`: every depth predicted and its need).
     `predict(config, cuda_capability)`: where each trial is predicted (predicted_peak, or a pool's
-    worker); `progress(line)` hears of each trial."""
+    worker); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
+    else None; `progress(line)` hears of each trial."""
     traced: dict[int, int] = {}
     why_not = []
     name = config.strategies[0]
 
     def need(depth: int) -> int | None:
-        predicted = (predict or predicted_peak)(with_depth(config, depth), cuda_capability)
+        predicted = (known and known(depth)) or (predict or predicted_peak)(with_depth(config, depth), cuda_capability)
         if "why_not" in predicted:
             why_not.append(predicted["why_not"])
             return None
@@ -140,57 +141,60 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
                      + ("" if traced[depth] <= memory else ", more than the memory"))
         return traced[depth]
 
-    depth = deepest_fitting(need, memory, MAX_DEPTH)
+    depth = deepest_fitting(need, memory, MAX_DEPTH, start=config.model.num_layers)
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
     return {"max_depth": depth, "params": params, "needs_bytes": traced.get(depth),
             "next_needs_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
             **({"why_not": why_not[0]} if why_not else {})}
 
 
-def deepest_fitting(need, memory: int, max_depth: int) -> int:
+def deepest_fitting(need, memory: int, max_depth: int, start: int | None = None) -> int:
     """The deepest depth up to `max_depth` whose `need(depth)` is within `memory`; 0 where one layer does
     not fit or a need is not known (None). Needs are taken to grow with depth, as a bisection takes them.
-    Each trial's need is known whether it fits or not, and grows about linearly with depth, so the next
-    depth tried is the deepest the line through the two trials nearest the boundary says fits (at
-    least one layer from each end of the bracket), and the middle of the bracket where the last trial
-    did not halve it. The answer was seen to fit, and one layer more not to (or is the cap). A trial
-    costs more the deeper it is: the line keeps them near the boundary (about four for a linear need),
-    where maxsize's bracketing, whose failed trials have no figure, cannot."""
-    needs: dict[int, int] = {}
+    The answer was seen to fit, and one layer more not to (or is the cap).
 
-    def fits(depth: int) -> bool | None:
+    A trial costs more the deeper it is, so the search aims at the pair of trials that ends it. After one
+    layer and `start` (the config's own depth, where given), each round draws the line through the two
+    trials nearest the boundary (each trial's need is known whether it fits or not, and grows about
+    linearly with depth), and tries the layer past the deepest depth the line says fits, then, where that
+    did not fit, that depth itself. Where a round did not halve the bracket, its middle is tried too, so
+    that a need far from a line still ends in about as many rounds as a bisection. For a linear need:
+    one layer, `start` and the pair."""
+    needs: dict[int, int] = {}
+    lo, hi = 1, max_depth + 1  # lo fits; hi does not, or is past the cap (not tried)
+
+    def tried(depth: int) -> bool | None:
+        nonlocal lo, hi
         if depth not in needs:
             value = need(depth)
             if value is None:
                 return None
             needs[depth] = value
+        if needs[depth] <= memory:
+            lo = max(lo, depth)
+        else:
+            hi = min(hi, depth)
         return needs[depth] <= memory
 
-    first = fits(1)
+    first = tried(1)
     if not first:
         return 0
-    lo, hi = 1, max_depth + 1  # lo fits; hi does not, or is past the cap (not tried)
-    trial = 2
+    if start is not None and 1 < start <= max_depth and tried(start) is None:
+        return 0
     while hi - lo > 1:
-        trial = min(max(trial, lo + 1), hi - 1)
         before = hi - lo
-        result = fits(trial)
-        if result is None:
-            return 0
-        if result:
-            lo = trial
-        else:
-            hi = trial
-        if hi <= max_depth and hi - lo > before / 2:  # the bracket did not halve
-            trial = (lo + hi) // 2
-            continue
-        # The line through the two trials nearest the boundary: lo and hi where hi was tried, else
-        # the two deepest that fit.
-        a, b = (lo, hi) if hi in needs else (max(d for d in needs if d < lo) if len(needs) > 1 else lo, lo)
+        # The line through lo and hi where hi was tried, else through the two deepest that fit.
+        a, b = (lo, hi) if hi in needs else (max((d for d in needs if d < lo), default=lo), lo)
         slope = (needs[b] - needs[a]) / (b - a) if b != a else 0
         guess = lo + int((memory - needs[lo]) // slope) if slope > 0 else 2 * lo
-        # Beyond every trial the line is an extrapolation: at most 16 times the deepest seen to fit
-        trial = guess if hi in needs else min(guess, 16 * lo)
+        if hi not in needs:  # beyond every trial the line is an extrapolation: at most 16 times lo
+            guess = min(guess, 16 * lo)
+        guess = min(max(guess, lo), hi - 1)
+        for depth in (guess + 1, guess):
+            if lo < depth < hi and tried(depth) is None:
+                return 0
+        if hi - lo > 1 and hi <= max_depth and hi - lo > before / 2 and tried((lo + hi) // 2) is None:
+            return 0
     return lo
 
 
@@ -250,17 +254,15 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
             for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
     with pool(jobs) if jobs > 1 else _InProcess() as executor, \
             ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else _InProcess() as searches:
-        # Each strategy's depth search asks for one trial at a time; with a pool of processes its
-        # trials and the grid's share the workers (a thread waits for each), and each trial is told.
-        def search(name: str) -> dict:
-            return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
-                                 predict=lambda c, cap: executor.submit(predicted_peak, c, cap).result(),
-                                 progress=progress and (lambda line: progress(f"depth search, {line}")))
         try:
-            depths = ({name: searches.submit(search, name) for name in config.strategies}
-                      if depth_search else {})
-            rows, too_large, not_predicted = grid_rows(config, grid, micro_batches, memory, params,
-                                                       cuda_capability, executor, progress)
+            if progress:
+                progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
+                         "until one does not fit")
+            walks = {element: executor.submit(micro_batch_walk, config, element, micro_batches, memory, cuda_capability)
+                     for element in grid}
+            depths = ({name: searches.submit(deepest_of, config, name, memory, cuda_capability, executor, walks,
+                                           progress) for name in config.strategies} if depth_search else {})
+            rows, too_large, not_predicted = grid_rows(config, walks, memory, params, progress)
             deepest = {name: future.result() for name, future in depths.items()}
         except BaseException:  # an interrupt (SIGINT, SIGTERM) among them: no trace may outlive the command
             end_pool(executor)
@@ -278,18 +280,31 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
                         "strategies": deepest} if depth_search else None}
 
 
-def grid_rows(config: RunConfig, grid: list[tuple], micro_batches: list[int], memory: int, params: int,
-              cuda_capability: tuple[int, int], executor, progress) -> tuple[list, list, dict]:
-    """The grid's candidates predicted, each (strategy, checkpointing, bucket) in one process from the
-    smallest micro-batch until its first that does not fit (micro_batch_walk): the rows that fit,
-    those that do not, and why a strategy is not predicted. `params`: the model's parameter count."""
+def deepest_of(config: RunConfig, name: str, memory: int, cuda_capability: tuple[int, int], executor, walks: dict,
+                 progress) -> dict:
+    """Strategy `name`'s deepest model (largest_depth), each trial predicted in `executor`; the config's own
+    depth taken from the grid's walk of the config's own checkpointing and bucket (`walks`), where it
+    reached the config's micro-batch, not traced again. In a thread of its own: it asks for one trial at
+    a time, and the trials share the pool with the grid."""
+    element = (name, config.model.activation_checkpointing,
+               config.reduce_bucket_size if registry.spec(name).reduce_bucket else None)
+
+    def known(depth: int) -> dict | None:
+        if depth != config.model.num_layers or element not in walks:
+            return None
+        return dict(walks[element].result()).get(config.micro_batch)
+    return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
+                         predict=lambda c, cap: executor.submit(predicted_peak, c, cap).result(), known=known,
+                         progress=progress and (lambda line: progress(f"depth search, {line}")))
+
+
+def grid_rows(config: RunConfig, walks: dict, memory: int, params: int, progress) -> tuple[list, list, dict]:
+    """The grid's candidates predicted, each (strategy, checkpointing, bucket) walked in one process from
+    the smallest micro-batch until its first that does not fit (`walks`: each one's future of
+    micro_batch_walk): the rows that fit, those that do not, and why a strategy is not predicted.
+    `params`: the model's parameter count."""
     rows, too_large, not_predicted = [], [], {}
-    if progress:
-        progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
-                 "until one does not fit")
-    walks = [executor.submit(micro_batch_walk, config, element, micro_batches, memory, cuda_capability)
-             for element in grid]
-    for (name, ckpt, bucket), walk in zip(grid, walks):
+    for (name, ckpt, bucket), walk in walks.items():
         predicted = walk.result()
         for micro_batch, peak in predicted:
             c = Candidate(name, micro_batch, ckpt, bucket)
