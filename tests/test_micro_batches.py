@@ -47,13 +47,9 @@ def test_a_scaled_trace_is_the_trace(name, flags):
     smallest caps for both allocator settings) scaled from micro-batches 2, 4 and 8 are the trace's at
     16."""
     scaled, traced, scaling = scaled_and_traced(name, flags)
-    # The first trace of a process can allocate otherwise (FSDP2's set-up makes a few more short-lived
-    # buffers the first time): then the line is drawn from 2, 4 and 8.
-    assert all(rank["scaled_from"] in ([1, 2, 4], [2, 4, 8]) for rank in scaled)
+    assert all(rank["scaled_from"] == [1, 2, 4] for rank in scaled)
     assert without_scaled_from(scaled) == traced
-    if name in ("ddp", "zero0", "zero1", "zero2", "zero3"):  # none of DeepSpeed's or DDP's set-up is first-time
-        assert all(rank["scaled_from"] in ([1, 2, 4], [2, 4, 8]) for rank in scaled)
-        assert set(scaling.why_not.values()) == {None}
+    assert set(scaling.why_not.values()) == {None}
 
 
 @pytest.mark.slow
@@ -63,6 +59,8 @@ def test_a_scaled_trace_of_a_hugging_face_model_is_its_trace(name, model):
     pytest.importorskip("transformers")
     flags = ["--model", f"hf:examples/hf/{model}.json", "--nproc", "2"]
     scaled, traced, _ = scaled_and_traced(name, flags)
+    # GPT-2's trace at micro-batch 1 makes a different number of allocations than at 2 and beyond
+    # (transformers' own code): there the line is drawn from 2, 4 and 8.
     assert all(rank["scaled_from"] in ([1, 2, 4], [2, 4, 8]) for rank in scaled)
     assert without_scaled_from(scaled) == traced
 

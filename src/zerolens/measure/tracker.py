@@ -87,6 +87,7 @@ def dtensor_shapes_untraced():
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import _disable_current_modes
     propagator = DTensor._op_dispatcher.sharding_propagator
+    outer = vars(propagator).get("_propagate_tensor_meta_non_cached")  # where this is nested in another
     propagate = propagator._propagate_tensor_meta_non_cached
 
     def untraced(op_schema):
@@ -96,4 +97,7 @@ def dtensor_shapes_untraced():
     try:
         yield
     finally:
-        del propagator._propagate_tensor_meta_non_cached  # the class's own again
+        if outer is None:
+            del propagator._propagate_tensor_meta_non_cached  # the class's own again
+        else:
+            propagator._propagate_tensor_meta_non_cached = outer

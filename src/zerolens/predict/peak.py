@@ -148,12 +148,11 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     needs besides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zerolens.measure.tracker import reset_tracker_peak, tracker_total
+    from zerolens.measure.tracker import dtensor_shapes_untraced, reset_tracker_peak, tracker_total
     from zerolens.models.data import make_batch
     # An earlier trace's garbage, collected at some point of this one, changed what the tracker saw (an
     # FSDP2 trace of gpt-tiny at 8 ranks made 1605, 1589 or 1502 requests, as it came after other
-    # traces). Collected first, it makes 1502 after another of the same model; the first in a process
-    # still makes 16 more, alloc-free pairs in FSDP2's set-up, whose source is not found.
+    # traces). Collected first, it makes 1502 after another of the same model.
     gc.collect()
     step_model = registry.spec(name).build_step_model(settings, rank=rank, cuda=cuda_capability is not None)
     tokens, labels = make_batch(model_config, 0, seed=seed, batch_size=settings.micro_batch, signal=0.0)
@@ -180,6 +179,9 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         gloo_copies = stack.enter_context(gloo_reduce_scatter_copies()) if cuda_capability is None else []
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
+        # FSDP2's set-up meets DTensor ops for the first time in a process: without this, the first trace
+        # in a process counted each parameter's global-shape stand-in (an alloc-free pair per parameter).
+        stack.enter_context(dtensor_shapes_untraced())
         step_model.setup(to_empty_keeping_ties(model, device), device)
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
 

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings, optimizer_state_tensors, required
-from zerolens.measure.tracker import dtensor_shapes_untraced
 from zerolens.models.model import loss_of
 from zerolens.strategies.base import (
     DTYPES,
@@ -245,9 +244,9 @@ class TorchFSDP2StepModel(TorchFSDP2):
         return {} if self.settings.fused_adam else {"foreach": self.cuda}
 
     def step(self):
-        # The step is where DTensor ops run (the clip's norms, AdamW on the shards, the zeroing).
-        with dtensor_shapes_untraced():
-            return scaled_step_without_reading_values(self.scaler, self.optimizer, self.module,
-                                                      self.settings.gradient_clipping)
+        # DTensor ops run here (the clip's norms, AdamW on the shards, the zeroing): the trace keeps their
+        # shape propagation out of its count (predict/peak.py, dtensor_shapes_untraced).
+        return scaled_step_without_reading_values(self.scaler, self.optimizer, self.module,
+                                                  self.settings.gradient_clipping)
 
 
