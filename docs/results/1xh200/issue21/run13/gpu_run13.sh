@@ -11,4 +11,6 @@ p case-study-ddp-fp16-16 --strategy ddp --model case-study --micro-batch 16 --pr
 p gpt2-ddp-8 --strategy ddp --model hf:gpt2 --micro-batch 8 --seq-len 1024
 p tinyllama-ddp-4 --strategy ddp --model hf:examples/hf/tinyllama-1.1b.json --micro-batch 4
 p gpt-1b-ddp-8 --strategy ddp --model gpt-1b --micro-batch 8
+
+timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_micro_batches.py tests/test_predict_peak.py 2>&1 | tail -4 > $OUT/pytest_micro_batches.txt
 git rev-parse HEAD > $OUT/tree.txt; git status --short >> $OUT/tree.txt
