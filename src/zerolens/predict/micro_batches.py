@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from zerolens.models.model import ModelConfig
+from zerolens.predict.kernel_workspaces import buffer_bytes
 from zerolens.predict.peak import rank_outcome, sequence_peaks, traced_rank
 from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings
@@ -90,6 +91,17 @@ def not_on_a_line(records: dict[int, dict]) -> str | None:
     for r1, r2, r3 in zip(*(in_order(record["requests"]) for record in (first, second, third))):
         if r1[0] != r2[0] or r1[0] != r3[0] or r1[1] != r2[1] or r1[1] != r3[1] or r1[3] != r2[3] or r1[3] != r3[3]:
             return "the traces allocate in different orders"
+        if r1[0] == "kernel_alloc":  # a kernel's own buffer: the numbers its bytes follow from on the line
+            rules = [record["inside"].get(r[1], (None,))[0] for record, r in ((first, r1), (second, r2), (third, r3))]
+            numbers = [record["inside"][r[1]][1] for record, r in ((first, r1), (second, r2), (third, r3))
+                       if r[1] in record["inside"]]
+            if len(set(rules)) != 1 or len(numbers) != 3 or len({len(n) for n in numbers}) != 1:
+                return "a kernel's buffer is not the same kind in the traces"
+            if [on_line(x, y, b1, b2, b3) for x, y in zip(numbers[0], numbers[1])] != list(numbers[2]):
+                return "a kernel's buffer's shapes are not on a line in the micro-batch"
+            continue
+        if r1[0] == "kernel_free":  # its bytes are its allocation's
+            continue
         if r1[0] == "alloc":
             sizes = [record["raw"].get(r[1]) for record, r in ((first, r1), (second, r2), (third, r3))]
             if None in sizes:  # the cuBLAS workspaces, which are no storage: the same at every micro-batch
@@ -137,9 +149,16 @@ def scaled_record(records: dict[int, dict], micro_batch: int) -> dict | None:
     """The record of a trace at `micro_batch`, from the line through the first two of `records`
     (not_on_a_line found it true of the third), or None where a size on it would be negative."""
     (b1, first), (b2, second) = sorted(records.items())[:2]
-    requests, raw = [], {}
+    requests, raw, inside = [], {}, {}
     for r1, r2 in zip(in_order(first["requests"]), in_order(second["requests"])):
-        if r1[0] == "alloc" and r1[1] in first["raw"]:
+        if r1[0] in ("kernel_alloc", "kernel_free"):  # its bytes computed again from its numbers
+            rule, numbers = first["inside"][r1[1]]
+            numbers = tuple(on_line(x, y, b1, b2, micro_batch) for x, y in zip(numbers, second["inside"][r2[1]][1]))
+            if None in numbers or min(numbers) < 0:
+                return None
+            inside[r1[1]] = (rule, numbers)
+            requests.append((r1[0], r1[1], cuda_bytes(buffer_bytes(rule, numbers, first["geometry"])), r1[3]))
+        elif r1[0] == "alloc" and r1[1] in first["raw"]:
             size = on_line(first["raw"][r1[1]], second["raw"][r2[1]], b1, b2, micro_batch)
             if size is None or size < 0:
                 return None
@@ -151,6 +170,6 @@ def scaled_record(records: dict[int, dict], micro_batch: int) -> dict | None:
     if beside is None:
         return None
     peaks, end = sequence_peaks(requests)
-    return first | {"requests": requests, "raw": raw, "batch_bytes": beside["batch_bytes"],
+    return first | {"requests": requests, "raw": raw, "inside": inside, "batch_bytes": beside["batch_bytes"],
                     "phase_peaks": {key: peaks[key] + beside["beside"][key] for key in peaks},
                     "held": end + beside["held_beside"], "step_model": records[max(records)]["step_model"]}

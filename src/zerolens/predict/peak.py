@@ -37,6 +37,7 @@ from zerolens.models.model import (
     trainable_flags,
 )
 from zerolens.predict.allocator import allocator_needs
+from zerolens.predict.kernel_workspaces import buffer_bytes, gpu_geometry, inside_buffers
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -72,7 +73,8 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
     return sum(sum(sizes) for sizes in cublas_workspaces(capability).values())
 
 
-def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw: dict | None = None):
+def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw: dict | None = None,
+                   geometry: tuple[int, int] | None = None, inside: dict | None = None):
     """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
     figures at every operation, which the prediction does not read: that took most of the time of
     gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's).
@@ -84,12 +86,32 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
     a current stream as torch.cuda does, so a trace on the CPU sees the same ones). A block's free
     is the stream's at once: nothing on the traced paths calls record_stream, which would delay it.
     `raw`, where given, gets each request's storage bytes before the tracker's rounding (predict/
-    micro_batches.py scales them)."""
+    micro_batches.py scales them). With `geometry` (a CUDA target's multiprocessors and threads per
+    multiprocessor), the buffers an operation's kernels allocate and free inside it follow its outputs
+    in `requests` as ("kernel_alloc", id, bytes, stream) and ("kernel_free", id, bytes, stream)
+    (predict/kernel_workspaces.py; in no total, which count tensors), and `inside` gets each one's rule
+    and numbers."""
     from torch.distributed._tools.mem_tracker import _UpdateType
 
     from zerolens.measure.tracker import memory_tracker_class
 
     class TotalsTracker(memory_tracker_class()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if geometry is not None and requests is not None:
+                buffers = []
+                # Each one, even of no bytes (a reduction not split across blocks at this size): at
+                # another micro-batch the same call may stage some (plain_requests drops the empty).
+                for rule, numbers in inside_buffers(func, args, kwargs or {}):
+                    request, stream = next(ids), stream_number(torch.device(device_type))
+                    size = cuda_bytes(buffer_bytes(rule, numbers, geometry))
+                    requests.append(("kernel_alloc", request, size, stream))
+                    buffers.append((request, size, stream))
+                    if inside is not None:
+                        inside[request] = (rule, numbers)
+                requests.extend(("kernel_free", *buffer) for buffer in reversed(buffers))
+            return out
+
         def _update_peak_stats(self, peak_state) -> None:
             for device, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snap["Total"]:
@@ -133,8 +155,12 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     after the step (`held_after_step_bytes`) and the cuBLAS workspaces counted in them. `trace_on="cpu"`
     traces on CPU tensors even where a GPU is visible (else trace_device decides); `steps`, how many. For a CUDA
     target, the allocations handed to the allocator model are appended to `requests` where given."""
-    return traced_rank(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
-                       trace_on=trace_on, steps=steps, requests=requests)[0]
+    sequence = [] if requests is not None else None
+    out = traced_rank(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
+                      trace_on=trace_on, steps=steps, requests=sequence)[0]
+    if requests is not None:
+        requests.extend(plain_requests(sequence))
+    return out
 
 
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
@@ -168,7 +194,9 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     marks = (marks and requests is not None) or brackets
     workspaces = cublas_workspaces(cuda_capability)
     raw: dict = {}
-    tracker = totals_tracker(requests, device.type, raw)
+    inside: dict = {}
+    geometry = gpu_geometry(cuda_capability) if cuda_capability is not None else None
+    tracker = totals_tracker(requests, device.type, raw, geometry, inside)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
@@ -222,7 +250,8 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
                 step_model.step()
         held = tracker_total(tracker, "current")
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
-    record = {"requests": requests, "raw": raw, "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
+    record = {"requests": requests, "raw": raw, "inside": inside, "geometry": geometry,
+              "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
               "brackets": brackets, "cuda_capability": cuda_capability, "traced_on": traced_on(device),
               "batch_bytes": tokens.nbytes + labels.nbytes,
               "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
@@ -255,8 +284,19 @@ def peaks_of(traced: list[dict[str, int]], held: int, workspace: int) -> dict:
 
 
 def plain_requests(requests: list) -> list:
-    """The allocations and frees of a recorded sequence, without its marks (phases, brackets)."""
-    return [r for r in requests if r[0] in ("alloc", "free")]
+    """The allocations and frees of a recorded sequence, without its marks (phases, brackets), with
+    the buffers kernels allocate inside an operation ("kernel_alloc", "kernel_free": in no total the
+    tracker keeps) but those of no bytes (kept in the sequence so that another micro-batch's can have
+    some: predict/micro_batches.py)."""
+    out = []
+    for action, request, size, stream in requests:
+        if action in ("alloc", "free"):
+            out.append((action, request, size, stream))
+        elif action == "kernel_alloc" and size:
+            out.append(("alloc", request, size, stream))
+        elif action == "kernel_free" and size:  # its free carries its bytes, to tell an empty one
+            out.append(("free", request, 0, stream))
+    return out
 
 
 def sequence_peaks(requests: list) -> tuple[dict, int]:
@@ -521,7 +561,7 @@ def without_brackets(requests: list) -> tuple[list, int]:
                 sizes[ident] = size
                 total += size
                 highest = max(highest, total)
-            else:
+            elif action == "free":
                 total -= sizes.pop(ident)
     if phase is not None:
         items.append(("segment", phase, highest))

@@ -1,0 +1,81 @@
+"""The buffers kernels allocate inside one operation (predict/kernel_workspaces.py), against what one
+H200 allocated (torch 2.11, cuDNN 9.19; scripts/op_workspaces.py, docs/results/1xh200/issue21/run13/):
+the block the caching allocator handed out, in bytes."""
+import pytest
+import torch
+
+from zerolens.models.model import PRESETS
+from zerolens.predict.kernel_workspaces import buffer_bytes, gpu_geometry, inside_buffers
+from zerolens.predict.peak import plain_requests, traced_rank
+from zerolens.predict.without_gpu import cuda_bytes
+from zerolens.strategies import TrainSettings
+
+H200 = (132, 2048)
+
+
+def staged(shape, dtype, dims) -> int:
+    tensor = torch.empty(shape, dtype=dtype, device="meta")
+    return sum(cuda_bytes(buffer_bytes(rule, numbers, H200))
+               for rule, numbers in inside_buffers(torch.ops.aten.sum.dim_IntList, (tensor, dims), {}))
+
+
+@pytest.mark.parametrize("shape, dtype, dims, measured", [
+    ((8192, 768), torch.bfloat16, [0], 50332160),  # gpt-100m's bias gradients, micro-batch 8
+    ((8192, 2304), torch.bfloat16, [0], 139198976),
+    ((8192, 3072), torch.bfloat16, [0], 138412544),
+    ((8192, 2048), torch.bfloat16, [0], 134218240),  # gpt-1b's
+    ((8192, 6144), torch.bfloat16, [0], 138412544),
+    ((8192, 8192), torch.bfloat16, [0], 138412544),
+    ((4096, 768), torch.float32, [0], 25166336),  # gpt-100m in fp32, micro-batch 4
+    ((4096, 2304), torch.float32, [0], 75497984),
+    ((4096, 3072), torch.float32, [0], 100663808),
+    ((4, 1024, 2048), torch.float32, [0, 1], 67109376),  # TinyLlama's RMSNorm weights, micro-batch 4
+])
+def test_a_split_reduction_stages_what_the_gpu_allocated(shape, dtype, dims, measured):
+    """Reduce.cuh's staging buffer and semaphores, two blocks, 512 bytes of them the semaphores'."""
+    assert staged(shape, dtype, dims) == measured
+
+
+def test_a_reduction_that_is_not_split_stages_nothing():
+    assert staged((8192, 768), torch.float32, [1]) == 0  # rows summed: a block per output suffices
+    assert staged((1, 64), torch.float32, [0]) == 0  # nothing to reduce: a dimension of one
+
+
+@pytest.mark.parametrize("query, key, measured", [
+    ((8, 12, 1024, 64), (8, 12, 1024, 64), 25559552),  # gpt-100m
+    ((8, 16, 1024, 128), (8, 16, 1024, 128), 67633664),  # gpt-1b
+    ((4, 32, 1024, 64), (4, 4, 1024, 64), 67633664),  # TinyLlama: grouped-query attention
+    ((16, 4, 32, 32), (16, 4, 32, 32), 270848),  # the case study (fp16, micro-batch 16)
+])
+def test_the_attention_backward_buffer_is_the_gpus(query, key, measured):
+    q = torch.empty(query, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(key, dtype=torch.bfloat16, device="meta")
+    (rule, numbers), = inside_buffers("aten._scaled_dot_product_cudnn_attention_backward.default",
+                                      (q, q, k, k), {})
+    assert cuda_bytes(buffer_bytes(rule, numbers, H200)) == measured
+
+
+def test_the_trace_hands_the_buffers_to_the_allocator_model_only(monkeypatch):
+    """A CUDA target's trace has each buffer as a kernel's allocation and free right after its
+    operation's outputs: in the allocator model's requests, in no peak the tracker counts."""
+    from zerolens.predict import peak
+    settings = TrainSettings(precision="bf16", world_size=1, micro_batch=16)
+    config = PRESETS["gpt-tiny"]
+    out, record = traced_rank("ddp", config, settings, cuda_capability=(9, 0))
+    kernel = [r for r in record["requests"] if r[0] == "kernel_alloc" and r[2]]
+    assert kernel and all(record["inside"][r[1]][0].startswith(("reduce", "attention")) for r in kernel)
+    plain = plain_requests(record["requests"])
+    assert {r[1] for r in kernel} <= {r[1] for r in plain if r[0] == "alloc"}
+    freed = [i for i, r in enumerate(plain) if r[0] == "free" and r[1] in {k[1] for k in kernel}]
+    assert len(freed) == len(kernel)
+    monkeypatch.setattr(peak, "inside_buffers", lambda func, args, kwargs: [])
+    without, record_without = traced_rank("ddp", config, settings, cuda_capability=(9, 0))
+    assert {k: v for k, v in out.items() if "allocator" not in k and "reserved" not in k} == \
+        {k: v for k, v in without.items() if "allocator" not in k and "reserved" not in k}
+    assert len(plain_requests(record_without["requests"])) == len(plain) - 2 * len(kernel)
+
+
+def test_without_a_gpu_the_geometry_is_the_data_center_gpus():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: its own geometry is read")
+    assert gpu_geometry((9, 0)) == (132, 2048) and gpu_geometry((8, 0)) == (108, 2048)
