@@ -79,3 +79,50 @@ def test_without_a_gpu_the_geometry_is_the_data_center_gpus():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: its own geometry is read")
     assert gpu_geometry((9, 0)) == (132, 2048) and gpu_geometry((8, 0)) == (108, 2048)
+
+
+def embedding_buffers(numel, width, dtype=torch.float32, by_freq=False, index_dtype=torch.int64):
+    grad = torch.empty(numel, width, dtype=dtype, device="meta")
+    indices = torch.empty(numel, dtype=index_dtype, device="meta")
+    return [(rule, cuda_bytes(buffer_bytes(rule, numbers, H200))) for rule, numbers in
+            inside_buffers(torch.ops.aten.embedding_dense_backward.default, (grad, indices, 32000, -1, by_freq), {})]
+
+
+def test_the_embedding_backward_holds_its_sorted_indices_and_fp32_partial_sums():
+    """Above 3072 indices (Embedding.cu): 11 buffers in the source's order, the fp32 partial sums of
+    every index's row the largest. gpt-100m at micro-batch 4 and 8 on one H200 (run13): 14 blocks of
+    14192640 and 28366848 bytes in all; the 11 modelled hold all but cub's temporary storage."""
+    for numel, measured in ((4096, 14192640), (8192, 28366848)):
+        buffers = embedding_buffers(numel, 768)
+        assert len(buffers) == 11 and buffers[-1] == ("embedding_partial_sums", numel * 768 * 4)
+        assert [size for _, size in buffers[:-1]].count(numel * 8) == 8  # the index buffers
+        cub = measured - sum(size for _, size in buffers)
+        assert 0 < cub < 0.1 * measured
+    assert embedding_buffers(4096, 768, torch.bfloat16)[-1][1] == 4096 * 768 * 4  # fp32 sums of bf16 rows
+    assert embedding_buffers(4096, 768, index_dtype=torch.int32)[0][1] == 4096 * 4
+
+
+def test_the_embedding_backward_of_few_indices_allocates_nothing_unless_scaled_by_frequency():
+    assert all(size == 0 for _, size in embedding_buffers(3072, 768))
+    scaled = embedding_buffers(3072, 768, by_freq=True)
+    assert ("embedding_count", 3072 * 8) in scaled and scaled[-1][1] == 3072 * 768 * 4
+
+
+def test_the_embedding_backwards_short_lived_buffers_are_freed_at_once():
+    """The sort's positions and the unique's keys are freed before the next buffer; the rest at the
+    operation's end, last allocated first freed."""
+    settings = TrainSettings(precision="bf16", world_size=1, micro_batch=64)
+    config = PRESETS["gpt-tiny"]  # 64 tokens of 64: 4096 indices
+    _, record = traced_rank("ddp", config, settings, cuda_capability=(9, 0), steps=1)
+    requests, inside = record["requests"], record["inside"]
+    embedding = [i for i, r in enumerate(requests) if r[0] == "kernel_alloc" and inside[r[1]][0].startswith("embedding")]
+    assert len(embedding) == 2 * 11  # the tokens' embedding and the positions'
+    embedding = embedding[:11]
+    for i in embedding:
+        rule = inside[requests[i][1]][0]
+        if rule in ("embedding_positions", "embedding_unique_keys"):
+            assert requests[i + 1][:2] == ("kernel_free", requests[i][1])
+    held = [requests[i][1] for i in embedding if inside[requests[i][1]][0] not in ("embedding_positions",
+                                                                                    "embedding_unique_keys")]
+    frees = [r[1] for r in requests[embedding[-1] + 1:] if r[0] == "kernel_free"][:len(held)]
+    assert frees == held[::-1]

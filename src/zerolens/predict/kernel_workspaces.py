@@ -18,6 +18,13 @@ of operation allocate what matters there:
   row sums, and where keys and values have fewer heads than queries (grouped-query attention), the
   key and value gradients expanded to every query head, all in one allocation (measured: gpt-100m,
   gpt-1b, the case study, TinyLlama).
+- The embedding's backward above 3072 indices (aten/src/ATen/native/cuda/Embedding.cu,
+  embedding_dense_backward_cuda, and EmbeddingBackwardKernel.cu, embedding_backward_cuda_kernel):
+  the indices sorted with their positions, each index's segment and partial-segment offsets, and the
+  partial sums of every index's gradient row in fp32 (an index count times the width times 4 bytes:
+  64 MiB on gpt-1b at micro-batch 8), held to the operation's end; the positions and the unique
+  keys only for a moment. cub's own temporary storage in the sort, the unique and the scan (1.3 MiB
+  in all at 4096 indices on gpt-100m) is not modelled: its size follows cub's tuning, not the shapes.
 
 Each buffer is given as a rule and the whole numbers it is computed from (shapes, strides, element
 sizes), so that predict/micro_batches.py can carry it to another micro-batch: the numbers on a line in
@@ -37,6 +44,13 @@ GEOMETRY_BY_CAPABILITY = {(7, 0): (80, 2048), (8, 0): (108, 2048), (9, 0): (132,
 DEFAULT_GEOMETRY = (132, 2048)
 
 REDUCTIONS = {"aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default"}
+EMBEDDING_BACKWARD = "aten.embedding_dense_backward.default"
+# The embedding's backward sorts its indices only above this many (Embedding.cu); at or below it, one
+# kernel adds into the output and allocates nothing else.
+EMBEDDING_SORT_ABOVE = 3072
+# Buffers freed before the operation's next one is allocated: the positions 0..n-1 the sort carries
+# along, and cub's unique's output keys, which the embedding's backward does not keep.
+TEMPORARY = {"embedding_positions", "embedding_unique_keys"}
 ATTENTION_BACKWARD = {"aten._scaled_dot_product_cudnn_attention_backward.default",
                       "aten._scaled_dot_product_flash_attention_backward.default"}
 
@@ -62,7 +76,33 @@ def inside_buffers(func, args: tuple, kwargs: dict) -> list[tuple[str, tuple[int
         batch, heads, length, head_dim = query.shape
         return [("attention_backward", (batch, heads, length, head_dim, key.shape[1], key.shape[2],
                                         query.element_size()))]
+    if name == EMBEDDING_BACKWARD:
+        return embedding_backward_buffers(args, kwargs)
     return []
+
+
+def embedding_backward_buffers(args: tuple, kwargs: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The embedding backward's buffers in the order Embedding.cu and EmbeddingBackwardKernel.cu
+    allocate them (the output, grad_weight, is the trace's own). Their numbers start with the index
+    count and whether gradients are scaled by frequency, which decide whether the indices are sorted."""
+    grad, indices = args[0], args[1]
+    by_freq = int(bool(args[4] if len(args) > 4 else kwargs.get("scale_grad_by_freq", False)))
+    numel, width, index = indices.numel(), grad.shape[-1], indices.element_size()
+    accumulator = 8 if grad.dtype == torch.float64 else 4
+    buffers = []
+    if not indices.is_contiguous():
+        buffers.append(("embedding_copy", (numel, by_freq, index, 1)))
+    if not grad.is_contiguous():
+        buffers.append(("embedding_copy", (numel, by_freq, grad.element_size(), width)))
+    indices_ = ("embedding_indices", (numel, by_freq, index))
+    buffers += [indices_, indices_, ("embedding_positions", (numel, by_freq, index))]  # sorted, their positions
+    if by_freq:
+        buffers.append(("embedding_count", (numel, by_freq, index)))
+    scalar = ("embedding_scalar", (numel, by_freq))
+    buffers += [indices_, scalar, ("embedding_unique_keys", (numel, by_freq, index)),  # the segments, their count
+                indices_, indices_, scalar, indices_,  # the partial segments: per segment, offsets, count, starts
+                ("embedding_partial_sums", (numel, by_freq, width, accumulator))]
+    return buffers
 
 
 def buffer_bytes(rule: str, numbers: tuple[int, ...], geometry: tuple[int, int]) -> int:
@@ -72,6 +112,13 @@ def buffer_bytes(rule: str, numbers: tuple[int, ...], geometry: tuple[int, int])
         expanded = 2 * batch * heads * kv_length * head_dim * element if kv_heads != heads else 0
         # The block measured was 512 bytes more than these, in every case: a few bytes besides, rounded.
         return accumulator + expanded + 512
+    if rule.startswith("embedding_"):
+        numel, by_freq, *sizes = numbers
+        if rule == "embedding_copy":  # made contiguous before anything is decided
+            return numel * math.prod(sizes)
+        if numel <= EMBEDDING_SORT_ABOVE and not by_freq:
+            return 0
+        return 8 if rule == "embedding_scalar" else numel * math.prod(sizes)
     config = reduce_config(numbers, geometry)
     if rule == "reduce_buffer":
         return config["global_memory_size"]

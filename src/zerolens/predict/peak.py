@@ -37,7 +37,7 @@ from zerolens.models.model import (
     trainable_flags,
 )
 from zerolens.predict.allocator import allocator_needs
-from zerolens.predict.kernel_workspaces import buffer_bytes, gpu_geometry, inside_buffers
+from zerolens.predict.kernel_workspaces import TEMPORARY, buffer_bytes, gpu_geometry, inside_buffers
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -106,7 +106,10 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
                     request, stream = next(ids), stream_number(torch.device(device_type))
                     size = cuda_bytes(buffer_bytes(rule, numbers, geometry))
                     requests.append(("kernel_alloc", request, size, stream))
-                    buffers.append((request, size, stream))
+                    if rule in TEMPORARY:  # freed before the next one is allocated
+                        requests.append(("kernel_free", request, size, stream))
+                    else:
+                        buffers.append((request, size, stream))
                     if inside is not None:
                         inside[request] = (rule, numbers)
                 requests.extend(("kernel_free", *buffer) for buffer in reversed(buffers))
