@@ -1,16 +1,20 @@
 """The buffers kernels allocate inside one operation (predict/kernel_workspaces.py), against what one
 H200 allocated (torch 2.11, cuDNN 9.19; scripts/op_workspaces.py, docs/results/1xh200/issue21/run13/):
 the block the caching allocator handed out, in bytes."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from zerolens.models.model import PRESETS
-from zerolens.predict.kernel_workspaces import buffer_bytes, gpu_geometry, inside_buffers
+from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
 from zerolens.predict.peak import plain_requests, traced_rank
 from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings
 
 H200 = (132, 2048)
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def staged(shape, dtype, dims) -> int:
@@ -88,41 +92,61 @@ def embedding_buffers(numel, width, dtype=torch.float32, by_freq=False, index_dt
             inside_buffers(torch.ops.aten.embedding_dense_backward.default, (grad, indices, 32000, -1, by_freq), {})]
 
 
-def test_the_embedding_backward_holds_its_sorted_indices_and_fp32_partial_sums():
-    """Above 3072 indices (Embedding.cu): 11 buffers in the source's order, the fp32 partial sums of
-    every index's row the largest. gpt-100m at micro-batch 4 and 8 on one H200 (run13): 14 blocks of
-    14192640 and 28366848 bytes in all; the 11 modelled hold all but cub's temporary storage."""
-    for numel, measured in ((4096, 14192640), (8192, 28366848)):
+def test_the_embedding_backward_requests_what_the_gpu_did():
+    """Each request of embedding_dense_backward as one H200 made them (torch 2.11; 2048 to 16384
+    indices, widths 768 and 2048, fp32 and bf16 rows: scripts/embedding_backward_events.py, run15),
+    block by block in order, cub's temporary storage included; the output, which the trace allocates
+    before the buffers where the GPU allocates it after the sort, left out of both."""
+    from zerolens.predict.peak import totals_tracker
+    recorded = json.loads((FIXTURES / "embedding_backward_h200.json").read_text())
+    assert len(recorded["calls"]) == 16
+    for call in recorded["calls"]:
+        grad = torch.zeros(call["numel"], call["width"], dtype=getattr(torch, call["dtype"]))
+        indices = torch.randint(0, call["vocab"], (call["numel"],))
+        requests = []
+        with totals_tracker(requests, "cpu", {}, H200, {}):
+            torch.ops.aten.embedding_dense_backward(grad, indices, call["vocab"], -1, False)
+        sizes = {r[1]: r[2] for r in requests if r[0] in ("alloc", "kernel_alloc")}
+        output = cuda_bytes(call["output_bytes"])
+        modelled = [("alloc" if action.endswith("alloc") else "free", sizes[ident]) for action, ident, _, _ in requests
+                    if action in ("alloc", "free", "kernel_alloc", "kernel_free") and sizes[ident] not in (0, output)]
+        real = [(action, cuda_bytes(size)) for action, size in call["events"] if cuda_bytes(size) != output]
+        assert modelled == real, (call["numel"], call["width"], call["dtype"])
+
+
+def test_the_embedding_backwards_largest_buffer_is_its_fp32_partial_sums():
+    """Room for an index count and a tenth more of fp32 rows, whatever the rows' dtype (Embedding.cu);
+    int32 indices make 4-byte index buffers."""
+    for numel in (4096, 8192):
         buffers = embedding_buffers(numel, 768)
-        assert len(buffers) == 11 and buffers[-1] == ("embedding_partial_sums", numel * 768 * 4)
-        assert [size for _, size in buffers[:-1]].count(numel * 8) == 8  # the index buffers
-        cub = measured - sum(size for _, size in buffers)
-        assert 0 < cub < 0.1 * measured
-    assert embedding_buffers(4096, 768, torch.bfloat16)[-1][1] == 4096 * 768 * 4  # fp32 sums of bf16 rows
+        assert len(buffers) == 14 and buffers[-1] == ("embedding_partial_sums", (numel + numel // 10) * 768 * 4)
+    assert embedding_buffers(4096, 768, torch.bfloat16)[-1][1] == 4505 * 768 * 4
     assert embedding_buffers(4096, 768, index_dtype=torch.int32)[0][1] == 4096 * 4
 
 
 def test_the_embedding_backward_of_few_indices_allocates_nothing_unless_scaled_by_frequency():
     assert all(size == 0 for _, size in embedding_buffers(3072, 768))
     scaled = embedding_buffers(3072, 768, by_freq=True)
-    assert ("embedding_count", 3072 * 8) in scaled and scaled[-1][1] == 3072 * 768 * 4
+    assert ("embedding_count", 3072 * 8) in scaled and scaled[-1][1] == (3072 + 307) * 768 * 4
 
 
 def test_the_embedding_backwards_short_lived_buffers_are_freed_at_once():
-    """The sort's positions and the unique's keys are freed before the next buffer; the rest at the
-    operation's end, last allocated first freed."""
+    """cub's temporary storage is freed at once, the sort's positions and the unique's keys right
+    after it; the rest at the operation's end, last allocated first freed."""
     settings = TrainSettings(precision="bf16", world_size=1, micro_batch=64)
     config = PRESETS["gpt-tiny"]  # 64 tokens of 64: 4096 indices
     _, record = traced_rank("ddp", config, settings, cuda_capability=(9, 0), steps=1)
     requests, inside = record["requests"], record["inside"]
     embedding = [i for i, r in enumerate(requests) if r[0] == "kernel_alloc" and inside[r[1]][0].startswith("embedding")]
-    assert len(embedding) == 2 * 11  # the tokens' embedding and the positions'
-    embedding = embedding[:11]
+    assert len(embedding) == 2 * 14  # the tokens' embedding and the positions'
+    embedding = embedding[:14]
     for i in embedding:
         rule = inside[requests[i][1]][0]
-        if rule in ("embedding_positions", "embedding_unique_keys"):
+        if LIFETIME.get(rule) == 0:  # cub's storage: freed at once
             assert requests[i + 1][:2] == ("kernel_free", requests[i][1])
-    held = [requests[i][1] for i in embedding if inside[requests[i][1]][0] not in ("embedding_positions",
-                                                                                    "embedding_unique_keys")]
+        elif rule in LIFETIME:  # the sort's positions, the unique's keys: freed once cub's storage is
+            assert requests[i + 1][0] == "kernel_alloc" and requests[i + 2][:2] == ("kernel_free", requests[i + 1][1])
+            assert requests[i + 3][:2] == ("kernel_free", requests[i][1])
+    held = [requests[i][1] for i in embedding if inside[requests[i][1]][0] not in LIFETIME]
     frees = [r[1] for r in requests[embedding[-1] + 1:] if r[0] == "kernel_free"][:len(held)]
     assert frees == held[::-1]

@@ -19,12 +19,14 @@ of operation allocate what matters there:
   key and value gradients expanded to every query head, all in one allocation (measured: gpt-100m,
   gpt-1b, the case study, TinyLlama).
 - The embedding's backward above 3072 indices (aten/src/ATen/native/cuda/Embedding.cu,
-  embedding_dense_backward_cuda, and EmbeddingBackwardKernel.cu, embedding_backward_cuda_kernel):
-  the indices sorted with their positions, each index's segment and partial-segment offsets, and the
-  partial sums of every index's gradient row in fp32 (an index count times the width times 4 bytes:
-  64 MiB on gpt-1b at micro-batch 8), held to the operation's end; the positions and the unique
-  keys only for a moment. cub's own temporary storage in the sort, the unique and the scan (1.3 MiB
-  in all at 4096 indices on gpt-100m) is not modelled: its size follows cub's tuning, not the shapes.
+  embedding_dense_backward_cuda, and EmbeddingBackwardKernel.cu, embedding_backward_cuda_kernel): the
+  indices sorted with their positions, each index's segment and partial-segment offsets, and the
+  partial sums of the gradient rows in fp32, room made for an index count plus a tenth of it (64 MiB
+  and more on gpt-1b at micro-batch 8), held to the operation's end; the positions, cub's unique's
+  keys and cub's temporary storage only for a moment. Recorded on the H200 for 4096 to 16384 indices
+  of int64 (scripts/embedding_backward_events.py, run15): every request's block as modelled, cub's
+  temporary storage included, whose sizes are the measured ones (they follow cub's tuning, not a
+  rule in ATen).
 
 Each buffer is given as a rule and the whole numbers it is computed from (shapes, strides, element
 sizes), so that predict/micro_batches.py can carry it to another micro-batch: the numbers on a line in
@@ -48,9 +50,17 @@ EMBEDDING_BACKWARD = "aten.embedding_dense_backward.default"
 # The embedding's backward sorts its indices only above this many (Embedding.cu); at or below it, one
 # kernel adds into the output and allocates nothing else.
 EMBEDDING_SORT_ABOVE = 3072
-# Buffers freed before the operation's next one is allocated: the positions 0..n-1 the sort carries
-# along, and cub's unique's output keys, which the embedding's backward does not keep.
-TEMPORARY = {"embedding_positions", "embedding_unique_keys"}
+# How many of the operation's next buffers a short-lived one outlives (0: freed at once), where it is
+# not held to the operation's end: the positions the sort carries along hold across the sort's
+# temporary storage, cub's unique's output keys across its.
+LIFETIME = {"embedding_positions": 1, "embedding_unique_keys": 1, "embedding_sort_storage": 0,
+            "embedding_cub_storage": 0}
+# cub's temporary storage in the embedding's backward, as one H200 allocated it (torch 2.11, CUDA 13;
+# int64 indices, 4096 to 16384 of them: run15): the radix sort of (index, position) pairs 16.25 bytes
+# per index and 16895 bytes besides; the unique and the exclusive scan 1279 to 1535 bytes, one
+# 1536-byte block either way.
+SORT_STORAGE_PER_INDEX, SORT_STORAGE_BESIDES = 16.25, 16895
+SMALL_CUB_STORAGE = 1279
 ATTENTION_BACKWARD = {"aten._scaled_dot_product_cudnn_attention_backward.default",
                       "aten._scaled_dot_product_flash_attention_backward.default"}
 
@@ -95,12 +105,15 @@ def embedding_backward_buffers(args: tuple, kwargs: dict) -> list[tuple[str, tup
     if not grad.is_contiguous():
         buffers.append(("embedding_copy", (numel, by_freq, grad.element_size(), width)))
     indices_ = ("embedding_indices", (numel, by_freq, index))
-    buffers += [indices_, indices_, ("embedding_positions", (numel, by_freq, index))]  # sorted, their positions
-    if by_freq:
-        buffers.append(("embedding_count", (numel, by_freq, index)))
     scalar = ("embedding_scalar", (numel, by_freq))
-    buffers += [indices_, scalar, ("embedding_unique_keys", (numel, by_freq, index)),  # the segments, their count
-                indices_, indices_, scalar, indices_,  # the partial segments: per segment, offsets, count, starts
+    cub = ("embedding_cub_storage", (numel, by_freq))
+    buffers += [indices_, indices_, ("embedding_positions", (numel, by_freq, index)),  # sorted, their positions
+                ("embedding_sort_storage", (numel, by_freq, index))]
+    if by_freq:  # its two scans' own storage not recorded
+        buffers.append(("embedding_count", (numel, by_freq, index)))
+    partials = ("embedding_partial_offsets", (numel, by_freq, index))
+    buffers += [indices_, scalar, ("embedding_unique_keys", (numel, by_freq, index)), cub,  # the segments
+                indices_, indices_, cub, scalar, partials,  # the partial segments: per segment, offsets, count, starts
                 ("embedding_partial_sums", (numel, by_freq, width, accumulator))]
     return buffers
 
@@ -118,7 +131,17 @@ def buffer_bytes(rule: str, numbers: tuple[int, ...], geometry: tuple[int, int])
             return numel * math.prod(sizes)
         if numel <= EMBEDDING_SORT_ABOVE and not by_freq:
             return 0
-        return 8 if rule == "embedding_scalar" else numel * math.prod(sizes)
+        if rule == "embedding_scalar":
+            return 8
+        if rule == "embedding_cub_storage":
+            return SMALL_CUB_STORAGE
+        if rule == "embedding_sort_storage":  # keys and values of sizes[0] bytes each; measured for 8
+            return math.ceil((SORT_STORAGE_PER_INDEX - 16 + 2 * sizes[0]) * numel) + SORT_STORAGE_BESIDES
+        if rule in ("embedding_partial_offsets", "embedding_partial_sums"):
+            # Room for every partial segment there can be: a segment per index, and one more per
+            # NROWS_PER_THREAD (10) indices of a segment (EmbeddingBackwardKernel.cu).
+            return (numel + numel // 10) * math.prod(sizes)
+        return numel * math.prod(sizes)
     config = reduce_config(numbers, geometry)
     if rule == "reduce_buffer":
         return config["global_memory_size"]

@@ -37,7 +37,7 @@ from zerolens.models.model import (
     trainable_flags,
 )
 from zerolens.predict.allocator import allocator_needs
-from zerolens.predict.kernel_workspaces import TEMPORARY, buffer_bytes, gpu_geometry, inside_buffers
+from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -73,8 +73,14 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
     return sum(sum(sizes) for sizes in cublas_workspaces(capability).values())
 
 
+# The operations that call cuBLAS, whose first call in a thread allocates the handle's workspace.
+MATRIX_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                   torch.ops.aten.baddbmm.default, torch.ops.aten._addmm_activation.default}
+
+
 def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw: dict | None = None,
-                   geometry: tuple[int, int] | None = None, inside: dict | None = None):
+                   geometry: tuple[int, int] | None = None, inside: dict | None = None,
+                   workspaces_due: list | None = None):
     """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
     figures at every operation, which the prediction does not read: that took most of the time of
     gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's).
@@ -90,38 +96,85 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
     multiprocessor), the buffers an operation's kernels allocate and free inside it follow its outputs
     in `requests` as ("kernel_alloc", id, bytes, stream) and ("kernel_free", id, bytes, stream)
     (predict/kernel_workspaces.py; in no total, which count tensors), and `inside` gets each one's rule
-    and numbers."""
+    and numbers. Requests put in `workspaces_due` (the cuBLAS workspaces) follow the next matrix
+    product's outputs, as the GPU allocated them (run15: after the first addmm's output)."""
     from torch.distributed._tools.mem_tracker import _UpdateType
 
     from zerolens.measure.tracker import memory_tracker_class
 
     class TotalsTracker(memory_tracker_class()):
+        # Autograd's InputBuffer::accumulate adds a second gradient into the first in place where it
+        # holds the last reference to it (can_accumulate_inplace), as on the GPU and in a CPU run; a
+        # fake tensor, a subclass, is added out of place. So the sum's peak is held back until the
+        # next event: the first operand's free (the engine dropping it for the sum) means the sum took
+        # its memory, and neither the peak nor the allocator's sequence sees a second block.
+        deferring = False
+        deferred: dict | None = None
+
+        def settle(self) -> None:
+            """A held-back sum that was not made in place after all: its moment counted now."""
+            if self.deferred is not None:
+                snap, self.deferred = self.deferred["snap"], None
+                for device, total in snap.items():
+                    if self._peak_mem.get(device, 0) < total["Total"]:
+                        self._peak_mem[device], self._peak_mem_snap[device] = total["Total"], total
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.settle()
+            if not accumulates_in_place(func, args):
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            else:
+                self.deferring = True
+                try:
+                    out = super().__torch_dispatch__(func, types, args, kwargs)
+                finally:
+                    self.deferring = False
+                first, made = (self._WINFO.get(t.untyped_storage(), (None, None))[0] for t in (args[0], out))
+                self.deferred = {"first": id(first), "made": made,
+                                 "snap": {device: dict(snap) for device, snap in self._curr_mem_snap.items()}}
+                if first is None or made is None:  # not storages the tracker follows
+                    self.settle()
+            if workspaces_due and func in MATRIX_PRODUCTS:
+                requests.extend(workspaces_due)
+                workspaces_due.clear()
             if geometry is not None and requests is not None:
-                buffers = []
+                held, brief = [], []  # held to the operation's end; freed after buffer i (LIFETIME)
                 # Each one, even of no bytes (a reduction not split across blocks at this size): at
                 # another micro-batch the same call may stage some (plain_requests drops the empty).
-                for rule, numbers in inside_buffers(func, args, kwargs or {}):
+                for i, (rule, numbers) in enumerate(inside_buffers(func, args, kwargs or {})):
                     request, stream = next(ids), stream_number(torch.device(device_type))
                     size = cuda_bytes(buffer_bytes(rule, numbers, geometry))
                     requests.append(("kernel_alloc", request, size, stream))
-                    if rule in TEMPORARY:  # freed before the next one is allocated
-                        requests.append(("kernel_free", request, size, stream))
+                    if rule in LIFETIME:
+                        brief.append((i + LIFETIME[rule], (request, size, stream)))
                     else:
-                        buffers.append((request, size, stream))
+                        held.append((request, size, stream))
                     if inside is not None:
                         inside[request] = (rule, numbers)
-                requests.extend(("kernel_free", *buffer) for buffer in reversed(buffers))
+                    requests.extend(("kernel_free", *buffer) for last, buffer in reversed(brief) if last == i)
+                    brief = [(last, buffer) for last, buffer in brief if last != i]
+                requests.extend(("kernel_free", *buffer) for buffer in reversed(held))
             return out
 
         def _update_peak_stats(self, peak_state) -> None:
+            if self.deferring:
+                return
             for device, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snap["Total"]:
                     self._peak_mem[device] = snap["Total"]
                     self._peak_mem_snap[device] = dict(snap)
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            if self.deferred is not None and u_type == _UpdateType.DEL and id(winfo) == self.deferred["first"]:
+                made, self.deferred = self.deferred["made"], None  # made in place: the sum has the first's block
+                if requests is not None and id(made) in live and id(winfo) in live \
+                        and requests[-1][:2] == ("alloc", live[id(made)][0]):
+                    requests.pop()
+                    if raw is not None:
+                        raw.pop(live[id(made)][0], None)
+                    live[id(made)] = live.pop(id(winfo))
+                    return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            self.settle()
             if requests is not None and winfo.device.type == device_type and u_type != _UpdateType.REF:
                 # A resize frees the storage's memory and allocates the new size (FSDP2's all-gather buffers).
                 if u_type in (_UpdateType.DEL, _UpdateType.SIZE) and id(winfo) in live:
@@ -148,6 +201,18 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
     ids = itertools.count()
     streams = {stream_key(torch.device(device_type)): 0}  # a stream -> its number; the default stream is 0
     return TotalsTracker()
+
+
+def accumulates_in_place(func, args: tuple) -> bool:
+    """Whether `func` may be autograd's sum of two gradients of one input (InputBuffer::accumulate: an
+    add in backward, outside grad mode, while a node runs), which the engine makes in place in the
+    first where that is a dense tensor it holds the last reference to (torch/csrc/autograd/
+    input_buffer.cpp, can_accumulate_inplace; taken here for a contiguous one); the tracker checks the
+    last reference by the first's free right after."""
+    return (func is torch.ops.aten.add.Tensor and len(args) == 2 and not torch.is_grad_enabled()
+            and torch._C._current_autograd_node() is not None
+            and all(isinstance(a, torch.Tensor) for a in args) and args[0].shape == args[1].shape
+            and torch.result_type(args[0], args[1]) == args[0].dtype and args[0].is_contiguous())
 
 
 def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
@@ -199,7 +264,8 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     raw: dict = {}
     inside: dict = {}
     geometry = gpu_geometry(cuda_capability) if cuda_capability is not None else None
-    tracker = totals_tracker(requests, device.type, raw, geometry, inside)
+    workspaces_due: list = []
+    tracker = totals_tracker(requests, device.type, raw, geometry, inside, workspaces_due)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
@@ -225,11 +291,12 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             reset_tracker_peak(tracker)
             if marks:
                 requests.append(("phase", (len(traced) - 1, name), None, 0))
-            if requests is not None and len(traced) == 1:  # the first step allocates the workspaces
-                requests.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
+            if requests is not None and len(traced) == 1:  # the first step's first matrix products allocate them
+                workspaces_due.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
             before = len(gloo_copies), len(modelled_buffers)
             yield
             # Under gradient accumulation forward and backward run once per micro-batch: the highest.
+            tracker.settle()
             into[name] = max(into.get(name, 0), tracker_total(tracker, "peak"))
             collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 

@@ -188,6 +188,7 @@ class TorchDDPStepModel(TorchDDP):
         self.cuda = cuda
 
     def wrap(self, module, device):
+        broadcast_module_states(module, device)
         # A bucket has its gradients' dtype, the weights' (fp32 under autocast; a model built in
         # bf16 keeps bf16 weights): layout.torch_ddp_layout.
         self.params = [p for p in module.parameters() if p.requires_grad]  # DDP's order
@@ -227,6 +228,33 @@ class TorchDDPStepModel(TorchDDP):
         # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on
         # the CPU it would not.
         return {} if self.settings.fused_adam else {"foreach": self.cuda}
+
+
+DDP_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DistributedDataParallel's broadcast_bucket_size
+BROADCASTS_IN_FLIGHT = 2  # torch/csrc/distributed/c10d/comm.cpp, broadcast_coalesced's max_in_flight
+
+
+def broadcast_module_states(module: nn.Module, device: torch.device) -> None:
+    """What DDP's construction allocates to send the module's parameters and buffers from rank 0
+    (init_sync: _sync_module_states, then broadcast_coalesced): the states in buckets of 250 MiB by
+    torch's own bucket assignment, each bucket of more than one tensor flattened into a buffer of its
+    own (one tensor is sent as it is), at most two buckets in flight, the older one's buffer freed
+    before the next is made. One H200 made gpt-1b's 13 buffers of 250 to 264 MiB in this order, each
+    to the byte (docs/results/1xh200/issue21/run15/), at N=1 too; their segments stay cached."""
+    import collections
+
+    import torch.distributed as dist
+    states = [p.detach() for p in module.parameters()] + [b.detach() for b in module.buffers()]
+    buckets, _ = dist._compute_bucket_assignment_by_size(states, [DDP_BROADCAST_BUCKET_BYTES], [False] * len(states))
+    in_flight = collections.deque()
+    for bucket in buckets:
+        if len(in_flight) == BROADCASTS_IN_FLIGHT:
+            in_flight.popleft()
+        tensors = [states[i] for i in bucket]
+        in_flight.append(torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
+                         if len(tensors) > 1 else None)
+    while in_flight:
+        in_flight.popleft()
 
 
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, 25 MiB (its documentation)
