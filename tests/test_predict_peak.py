@@ -433,3 +433,45 @@ print(json.dumps(out))
     assert result.returncode == 0, result.stderr
     first, second = json.loads(result.stdout.splitlines()[-1])
     assert first == second
+
+
+def test_autograd_sums_a_second_gradient_in_place_and_a_cuda_targets_trace_does_too():
+    """torch's autograd engine adds a tensor's second gradient into the first where it holds the last
+    reference (InputBuffer::accumulate), so no block is made for the sum; a fake tensor is summed out of
+    place. A CUDA target's trace follows the engine (no block for the sum, in the peak or the
+    allocator's sequence); a CPU target's does not, as its measurement under torch's MemTracker, a
+    dispatch mode, sums out of place too."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerolens.measure.tracker import reset_tracker_peak, tracker_total
+    from zerolens.predict.peak import totals_tracker
+
+    def leaves():
+        return [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
+
+    def two_gradients(x, w, v):  # h's gradient comes from two products
+        h = x.exp()
+        return h, h * w, h * v
+
+    x, w, v = leaves()
+    h, a, b = two_gradients(x, w, v)
+    firsts, sums = [], []
+    for node in (a.grad_fn, b.grad_fn):
+        node.register_hook(lambda grad_inputs, grad_outputs: firsts.append(grad_inputs[0].data_ptr()))
+    h.register_hook(lambda grad: sums.append(grad.data_ptr()))
+    (a.sum() + b.sum()).backward()
+    assert sums[0] in firsts  # the sum is in the first gradient's memory
+
+    def traced(in_place_sums: bool):
+        requests = []
+        tracker = totals_tracker(requests, "cpu", in_place_sums=in_place_sums)
+        with FakeTensorMode(), tracker:
+            _, a, b = two_gradients(*leaves())
+            loss = a.sum() + b.sum()
+            reset_tracker_peak(tracker)
+            loss.backward()
+            tracker.settle()
+            return tracker_total(tracker, "peak"), len([r for r in requests if r[0] == "alloc"])
+    (peak_in_place, allocs_in_place), (peak_out, allocs_out) = traced(True), traced(False)
+    assert peak_out - peak_in_place == 64 * 64 * 4 and allocs_out - allocs_in_place == 1

@@ -80,7 +80,7 @@ MATRIX_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torc
 
 def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw: dict | None = None,
                    geometry: tuple[int, int] | None = None, inside: dict | None = None,
-                   workspaces_due: list | None = None):
+                   workspaces_due: list | None = None, in_place_sums: bool = False):
     """torch's MemTracker keeping the total's peak only. Its own update also walks every module's
     figures at every operation, which the prediction does not read: that took most of the time of
     gpt-1b's trace. The totals are counted as MemTracker counts them (the CPU measurement's).
@@ -97,15 +97,18 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
     in `requests` as ("kernel_alloc", id, bytes, stream) and ("kernel_free", id, bytes, stream)
     (predict/kernel_workspaces.py; in no total, which count tensors), and `inside` gets each one's rule
     and numbers. Requests put in `workspaces_due` (the cuBLAS workspaces) follow the next matrix
-    product's outputs, as the GPU allocated them (run15: after the first addmm's output)."""
+    product's outputs, as the GPU allocated them (run15: after the first addmm's output). With
+    `in_place_sums` (a CUDA target), autograd's sums of two gradients are made in place where the
+    engine would (TotalsTracker's comment); a CPU run measured under torch's MemTracker, a dispatch
+    mode, makes them out of place, as the trace does."""
     from torch.distributed._tools.mem_tracker import _UpdateType
 
     from zerolens.measure.tracker import memory_tracker_class
 
     class TotalsTracker(memory_tracker_class()):
         # Autograd's InputBuffer::accumulate adds a second gradient into the first in place where it
-        # holds the last reference to it (can_accumulate_inplace), as on the GPU and in a CPU run; a
-        # fake tensor, a subclass, is added out of place. So the sum's peak is held back until the
+        # holds the last reference to it (can_accumulate_inplace), as on the GPU; a fake tensor, a
+        # subclass, is added out of place, as is any tensor while a Python dispatch mode runs. So the sum's peak is held back until the
         # next event: the first operand's free (the engine dropping it for the sum) means the sum took
         # its memory, and neither the peak nor the allocator's sequence sees a second block.
         deferring = False
@@ -119,9 +122,17 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
                     if self._peak_mem.get(device, 0) < total["Total"]:
                         self._peak_mem[device], self._peak_mem_snap[device] = total["Total"], total
 
+        def storage_info(self, tensor):
+            """The tracker's record of the tensor's storage, None where it follows none (a wrapper
+            subclass such as DTensor has no storage of its own)."""
+            try:
+                return self._WINFO.get(tensor.untyped_storage(), (None, None))[0]
+            except (RuntimeError, NotImplementedError):
+                return None
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.settle()
-            if not accumulates_in_place(func, args):
+            if not (in_place_sums and accumulates_in_place(func, args)):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
             else:
                 self.deferring = True
@@ -129,7 +140,7 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
                     out = super().__torch_dispatch__(func, types, args, kwargs)
                 finally:
                     self.deferring = False
-                first, made = (self._WINFO.get(t.untyped_storage(), (None, None))[0] for t in (args[0], out))
+                first, made = (self.storage_info(t) for t in (args[0], out))
                 self.deferred = {"first": id(first), "made": made,
                                  "snap": {device: dict(snap) for device, snap in self._curr_mem_snap.items()}}
                 if first is None or made is None:  # not storages the tracker follows
@@ -265,7 +276,8 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     inside: dict = {}
     geometry = gpu_geometry(cuda_capability) if cuda_capability is not None else None
     workspaces_due: list = []
-    tracker = totals_tracker(requests, device.type, raw, geometry, inside, workspaces_due)
+    tracker = totals_tracker(requests, device.type, raw, geometry, inside, workspaces_due,
+                             in_place_sums=cuda_capability is not None)
     traced: list[dict[str, int]] = []  # each traced step's peak per phase
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.simplefilter("ignore")  # autocast and the optimizer warn about the CPU they think they run on
