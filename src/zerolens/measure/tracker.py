@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 from zerolens.measure.census import MeasurementError, keep_highest
 
@@ -23,9 +24,19 @@ def memory_tracker_class():
     base): torch's installs gradient hooks on every parameter a module holds, which raises ("cannot
     register a hook on a tensor that doesn't require gradient") at the first frozen one. A frozen
     parameter has no gradient to follow, so it gets none; its memory is counted all the same."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
     class Tracker(MemTracker):
+        # The bytes of each storage freed by a thread other than the main one: a gloo collective's
+        # own thread, which holds copies of a collective's buffers and now and then frees one after
+        # the next operations have allocated (report.checks.peak_prediction_check).
+        freed_by_other_threads: list[int]
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            if u_type == _UpdateType.DEL and threading.current_thread() is not threading.main_thread():
+                self.__dict__.setdefault("freed_by_other_threads", []).append(winfo.mem_consumed)
+            return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
             for param in module.parameters():
                 if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
@@ -56,14 +67,18 @@ def tracker_total(tracker, kind: str) -> int:
 @contextlib.contextmanager
 def tracked_phase(tracker, name: str, into: dict):
     """The tracker's peak over the block, counted from what is held at its start, into
-    `into["peak_during_<name>"]` (verify's and bench's CPU phases)."""
+    `into["peak_during_<name>"]` (verify's and bench's CPU phases), and the bytes of each storage
+    another thread freed meanwhile into `into["freed_by_other_threads_during_<name>"]`."""
     if name == "forward":
         # MemTracker keeps per-module figures of one forward only and refuses a second in its context
         # (gradient accumulation's micro-batches); zerolens reads its totals, which this keeps.
         tracker.reset_mod_stats()
     reset_tracker_peak(tracker)
+    frees = tracker.__dict__.setdefault("freed_by_other_threads", [])
+    before = len(frees)
     yield
     keep_highest(into, f"peak_during_{name}", tracker_total(tracker, "peak"))
+    into.setdefault(f"freed_by_other_threads_during_{name}", []).extend(frees[before:])
 
 
 def reset_tracker_peak(tracker) -> None:

@@ -68,6 +68,9 @@ def rank_summary(rank: int, records: list[dict]) -> dict:
         **{f"reserved_peak_during_{ph}": peak(f"reserved_peak_during_{ph}") for ph in phases},
         "reserved_peak_bytes": max(reserved) if reserved else None,
         "peak_anatomy": last.get("peak_anatomy"),
+        # CPU, the last step: what a collective's own thread freed in each phase (checks.peak_prediction_check)
+        "freed_by_other_threads": {ph: last[f"freed_by_other_threads_during_{ph}"] for ph in phases
+                                   if f"freed_by_other_threads_during_{ph}" in last},
         "median_step_seconds": median_step_seconds(records),
         "alloc_retries": last.get("alloc_retries"),
         "ooms": last.get("ooms"),
