@@ -137,7 +137,8 @@ def test_the_embedding_backwards_short_lived_buffers_are_freed_at_once():
     config = PRESETS["gpt-tiny"]  # 64 tokens of 64: 4096 indices
     _, record = traced_rank("ddp", config, settings, cuda_capability=(9, 0), steps=1)
     requests, inside = record["requests"], record["inside"]
-    embedding = [i for i, r in enumerate(requests) if r[0] == "kernel_alloc" and inside[r[1]][0].startswith("embedding")]
+    embedding = [i for i, r in enumerate(requests)
+                 if r[0] == "kernel_alloc" and inside[r[1]][0].startswith("embedding")]
     assert len(embedding) == 2 * 14  # the tokens' embedding and the positions'
     embedding = embedding[:14]
     for i in embedding:

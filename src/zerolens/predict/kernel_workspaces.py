@@ -3,8 +3,8 @@ trace (predict/peak.py) sees none, while the caching allocator serves each one, 
 layer's activations that it keeps cached afterwards.
 
 Found on one H200 (torch 2.11, cuDNN 9.19) by scripts/op_workspaces.py, which reads the allocator's
-counters around every operation of a real training step (docs/results/1xh200/issue21/run13/). Two kinds
-of operation allocate what matters there:
+counters around every operation of a real training step (docs/results/1xh200/issue21/run13/). Three
+kinds of operation allocate what matters there:
 
 - Reductions over the rows of a matrix (a linear layer's bias gradient, `grad.sum(0)`; an RMSNorm
   weight's): ATen's reduce kernel (aten/src/ATen/native/cuda/Reduce.cuh) splits a long reduction over
@@ -21,8 +21,8 @@ of operation allocate what matters there:
 - The embedding's backward above 3072 indices (aten/src/ATen/native/cuda/Embedding.cu,
   embedding_dense_backward_cuda, and EmbeddingBackwardKernel.cu, embedding_backward_cuda_kernel): the
   indices sorted with their positions, each index's segment and partial-segment offsets, and the
-  partial sums of the gradient rows in fp32, room made for an index count plus a tenth of it (64 MiB
-  and more on gpt-1b at micro-batch 8), held to the operation's end; the positions, cub's unique's
+  partial sums of the gradient rows in fp32, room made for an index count plus a tenth of it (70 MiB
+  on gpt-1b at micro-batch 8), held to the operation's end; the positions, cub's unique's
   keys and cub's temporary storage only for a moment. Recorded on the H200 for 4096 to 16384 indices
   of int64 (scripts/embedding_backward_events.py, run15): every request's block as modelled, cub's
   temporary storage included, whose sizes are the measured ones (they follow cub's tuning, not a

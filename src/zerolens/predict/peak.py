@@ -108,9 +108,10 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
     class TotalsTracker(memory_tracker_class()):
         # Autograd's InputBuffer::accumulate adds a second gradient into the first in place where it
         # holds the last reference to it (can_accumulate_inplace), as on the GPU; a fake tensor, a
-        # subclass, is added out of place, as is any tensor while a Python dispatch mode runs. So the sum's peak is held back until the
-        # next event: the first operand's free (the engine dropping it for the sum) means the sum took
-        # its memory, and neither the peak nor the allocator's sequence sees a second block.
+        # subclass, is added out of place, as is any tensor while a Python dispatch mode runs. So
+        # the sum's peak is held back until the next event: the first operand's free (the engine
+        # dropping it for the sum) means the sum took its memory, and neither the peak nor the
+        # allocator's sequence sees a second block.
         deferring = False
         deferred: dict | None = None
 
@@ -304,7 +305,8 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             if marks:
                 requests.append(("phase", (len(traced) - 1, name), None, 0))
             if requests is not None and len(traced) == 1:  # the first step's first matrix products allocate them
-                workspaces_due.extend(("alloc", f"cublas-{name}-{i}", size, 0) for i, size in enumerate(workspaces.get(name, ())))
+                workspaces_due.extend(("alloc", f"cublas-{name}-{i}", size, 0)
+                                      for i, size in enumerate(workspaces.get(name, ())))
             before = len(gloo_copies), len(modelled_buffers)
             yield
             # Under gradient accumulation forward and backward run once per micro-batch: the highest.
