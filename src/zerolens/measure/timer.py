@@ -105,7 +105,8 @@ class StepTimer:
         # The peak over every step, warm-up included (the optimizer's states appear in the first),
         # and each phase's highest over them.
         if not self.cuda:  # the last warm-up step's, where there was one
-            run.measured["peak_bytes"] = max(self.tracked.values(), default=None)
+            run.measured["peak_bytes"] = max((v for k, v in self.tracked.items() if k.startswith("peak_during_")),
+                                             default=None)
             run.measured |= self.tracked
             return
         run.measured["peak_bytes"] = max(self.highest, torch.cuda.max_memory_allocated())
