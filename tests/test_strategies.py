@@ -86,3 +86,44 @@ def test_the_ddp_step_model_rebuilds_the_buckets_ddp_rebuilds():
                                                              timeout=180)[0]
     assert len(first) == 1 and modelled_first == first
     assert len(rebuilt) > 2 and modelled_rebuilt == rebuilt
+
+
+def ddp_broadcast_against_the_step_model(rank, world_size):
+    """The buffers of 1 MiB or more real DDP's construction makes (its broadcast of the module from rank
+    0), and those the DDP step model makes for it, in order, in bytes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from zerolens.strategies.ddp import broadcast_module_states
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor)}
+            self.sizes += [t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                           and t.untyped_storage().data_ptr() not in seen and t.untyped_storage().nbytes() >= 2**20]
+            return out
+    # Five 100 MiB weights: two buckets of 250 MiB or more, each of several tensors
+    model = nn.Sequential(*[nn.Linear(5120, 5120) for _ in range(5)])
+    with Made() as real:
+        nn.parallel.DistributedDataParallel(model)
+    with Made() as modelled:
+        broadcast_module_states(model, torch.device("cpu"))
+    return real.sizes, modelled.sizes
+
+
+@pytest.mark.slow
+def test_the_ddp_step_model_broadcasts_the_module_as_ddp_does():
+    """DDP's construction flattens the module's states into buckets of 250 MiB to send them from rank 0,
+    even on one rank; the step model makes the same buffers."""
+    real, modelled = spawn(ddp_broadcast_against_the_step_model, world_size=1, timeout=180)[0]
+    weights, biases = 5 * 5120 * 5120 * 4, 5 * 5120 * 4
+    # the two buckets' buffers, then the Reducer's first gradient bucket (all of them; the step model's wrap)
+    assert real == [*modelled, weights + biases] and modelled == [3 * 5120 * 5120 * 4 + 2 * 5120 * 4,
+                                                                  2 * 5120 * 5120 * 4 + 3 * 5120 * 4]
