@@ -30,11 +30,13 @@ def memory_tracker_class():
         # The bytes of each storage freed by a thread other than the main one: a gloo collective's
         # own thread, which holds copies of a collective's buffers and now and then frees one after
         # the next operations have allocated (report.checks.peak_prediction_check).
-        freed_by_other_threads: list[int]
+        def __init__(self) -> None:
+            super().__init__()
+            self.freed_by_other_threads: list[int] = []
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             if u_type == _UpdateType.DEL and threading.current_thread() is not threading.main_thread():
-                self.__dict__.setdefault("freed_by_other_threads", []).append(winfo.mem_consumed)
+                self.freed_by_other_threads.append(winfo.mem_consumed)
             return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
@@ -74,11 +76,10 @@ def tracked_phase(tracker, name: str, into: dict):
         # (gradient accumulation's micro-batches); zerolens reads its totals, which this keeps.
         tracker.reset_mod_stats()
     reset_tracker_peak(tracker)
-    frees = tracker.__dict__.setdefault("freed_by_other_threads", [])
-    before = len(frees)
+    before = len(tracker.freed_by_other_threads)
     yield
     keep_highest(into, f"peak_during_{name}", tracker_total(tracker, "peak"))
-    into.setdefault(f"freed_by_other_threads_during_{name}", []).extend(frees[before:])
+    into.setdefault(f"freed_by_other_threads_during_{name}", []).extend(tracker.freed_by_other_threads[before:])
 
 
 def reset_tracker_peak(tracker) -> None:

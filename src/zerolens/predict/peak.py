@@ -68,6 +68,9 @@ def cublas_workspaces(capability: tuple[int, int] | None) -> dict[str, list[int]
     return {"forward": [per_handle, 1 * MiB], "backward": [per_handle]}
 
 
+WORKSPACE_ID = "cublas-"  # how a cuBLAS workspace's request id begins in a trace's sequence
+
+
 def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
     """What the cuBLAS workspaces hold once forward and backward have run (65 MiB on H200)."""
     return sum(sum(sizes) for sizes in cublas_workspaces(capability).values())
@@ -119,9 +122,13 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
             """A held-back sum that was not made in place after all: its moment counted now."""
             if self.deferred is not None:
                 snap, self.deferred = self.deferred["snap"], None
-                for device, total in snap.items():
-                    if self._peak_mem.get(device, 0) < total["Total"]:
-                        self._peak_mem[device], self._peak_mem_snap[device] = total["Total"], total
+                self.raise_peak(snap)
+
+        def raise_peak(self, snap: dict) -> None:
+            for device, total in snap.items():
+                if self._peak_mem.get(device, 0) < total["Total"]:
+                    self._peak_mem[device] = total["Total"]
+                    self._peak_mem_snap[device] = dict(total)
 
         def storage_info(self, tensor):
             """The tracker's record of the tensor's storage, None where it follows none (a wrapper
@@ -133,14 +140,12 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.settle()
-            if not (in_place_sums and accumulates_in_place(func, args)):
+            self.deferring = in_place_sums and accumulates_in_place(func, args)
+            try:
                 out = super().__torch_dispatch__(func, types, args, kwargs)
-            else:
-                self.deferring = True
-                try:
-                    out = super().__torch_dispatch__(func, types, args, kwargs)
-                finally:
-                    self.deferring = False
+            finally:
+                held_back, self.deferring = self.deferring, False
+            if held_back:
                 first, made = (self.storage_info(t) for t in (args[0], out))
                 self.deferred = {"first": id(first), "made": made,
                                  "snap": {device: dict(snap) for device, snap in self._curr_mem_snap.items()}}
@@ -169,12 +174,8 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
             return out
 
         def _update_peak_stats(self, peak_state) -> None:
-            if self.deferring:
-                return
-            for device, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snap["Total"]:
-                    self._peak_mem[device] = snap["Total"]
-                    self._peak_mem_snap[device] = dict(snap)
+            if not self.deferring:
+                self.raise_peak(self._curr_mem_snap)
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
             if self.deferred is not None and u_type == _UpdateType.DEL and id(winfo) == self.deferred["first"]:
@@ -305,7 +306,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             if marks:
                 requests.append(("phase", (len(traced) - 1, name), None, 0))
             if requests is not None and len(traced) == 1:  # the first step's first matrix products allocate them
-                workspaces_due.extend(("alloc", f"cublas-{name}-{i}", size, 0)
+                workspaces_due.extend(("alloc", f"{WORKSPACE_ID}{name}-{i}", size, 0)
                                       for i, size in enumerate(workspaces.get(name, ())))
             before = len(gloo_copies), len(modelled_buffers)
             yield
