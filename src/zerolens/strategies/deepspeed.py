@@ -385,10 +385,11 @@ def zero_config(config: dict):
 def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
     """What in the run's DeepSpeed config (the user's, filled and overridden as the run will use
     it) the step model of `stage` does not model, as "key: value"; empty without a config of the
-    user's own and without gradient accumulation, whose micro-batches before the boundary the step
-    models do not follow (ZeRO-1 keeps whole gradients until then, ZeRO-2 and 3 reduce and add each
-    into their partition: stage_1_and_2.py and stage3.py, not modelled)."""
-    accumulation = [f"gradient_accumulation_steps: {settings.grad_accum}"] if settings.grad_accum > 1 else []
+    user's own and, at ZeRO-3, without gradient accumulation, whose micro-batches before the
+    boundary its step model does not follow (stage3.py reduces each into its partition; stages 0
+    to 2 are modelled: DeepSpeedStepModel.accumulating)."""
+    accumulation = [f"gradient_accumulation_steps: {settings.grad_accum}"] \
+        if settings.grad_accum > 1 and stage == 3 else []
     if not (settings.user_ds_config or settings.ds_override):
         return accumulation
     if importlib.util.find_spec("deepspeed") is None:  # reading the config takes DeepSpeed's own parser
@@ -456,6 +457,17 @@ class DeepSpeedStepModel(Strategy):
       frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
       16-bit slice (the all-gather writes into the flat buffer in place).
 
+    Under gradient accumulation (`accumulating`), in the micro-batches before the boundary: stage 0
+    leaves the 16-bit gradients in p.grad, where autograd adds up the next ones, and reduces nothing
+    (engine.allreduce_gradients: only at the boundary). Stage 1 reduces nothing either, but the
+    bucket its first gradient set up (setup_buckets) stays until the boundary's backward has
+    reduced into it (_release_ipg_buffers runs only in independent_gradient_partition_epilogue).
+    Stage 2 reduces every micro-batch; at backward's end (independent_gradient_partition_epilogue)
+    the first micro-batch's gradient buffer is kept as the sum (all_grad_tensors: views of it), and
+    each later micro-batch allocates a new one, adds it into the sum in place and drops it. The
+    step's gradients are the sum's views (averaged_gradients). engine.step() before the boundary
+    only counts.
+
     Under ZeRO-1/2 ranks differ only in their gradient buffer (its size, and the reduction that
     makes it), the norm's fp32 copies of their slice's pieces and the last rank's padding. The
     trace of one rank stands for all (predict/peak.py, spliced_ranks): those allocations are made
@@ -509,34 +521,64 @@ class DeepSpeedStepModel(Strategy):
                 self.in_partition_ids = {id(p) for p in self.in_partition}
                 self.first_param_offset = offsets[part.overlapping_params[0]] if part.overlapping_params else 0
         self.module = model
-        self.grads_in_partition = None
+        self.grads_in_partition = None  # this backward's gradient buffer (copy_grads_in_partition)
+        self.summed_grads = None  # the rank's gradients summed over the step's micro-batches so far
         self.bucket = None
+        self.boundary = True  # whether this micro-batch ends the step's accumulation (`accumulating`)
 
     def forward_loss(self, tokens, labels):
         return loss_of(self.module(engine_inputs(tokens, self.device, self.dtype)), labels.to(self.device))
 
+    @contextlib.contextmanager
+    def accumulating(self, sync):
+        """A micro-batch, the boundary where `sync` (engine.is_gradient_accumulation_boundary). engine.step()
+        after a micro-batch before the boundary allocates nothing (it only counts), so it is not modelled."""
+        self.boundary = sync
+        try:
+            yield
+        finally:
+            self.boundary = True
+
     def backward(self, loss):
         if self.stage == 0:
             loss.backward()
-            self._allreduce_in_buckets()
+            if self.boundary:  # engine.allreduce_gradients: only at the boundary
+                self._allreduce_in_buckets()
             return
         self.bucket_used = 0
         self.pending: list[torch.Tensor] = []
         # Stage 2 reduces each gradient as it is made. Stage 1 (overlap_comm off, DeepSpeed's default
         # below stage 3) only sets the bucket up at the first gradient (process_gradients ->
         # setup_buckets) and keeps every gradient until backward's end, where reduce_gradients
-        # reduces them in the parameters' order.
+        # reduces them in the parameters' order, at the boundary only (engine.allreduce_gradients):
+        # before it the gradients stay, and autograd adds the next micro-batch's into them.
         hook = self._into_bucket if self.stage == 2 else self._bucket_at_first_gradient
         hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         loss.backward()
         for h in hooks:
             h.remove()
+        if self.stage == 1 and not self.boundary:
+            return  # the bucket stays (_release_ipg_buffers runs in the epilogue, at the boundary)
         if self.stage == 1:
             for p in self.params:
                 if p.grad is not None:
                     self._into_bucket(p)
         self._reduce_bucket()
+        self._gradient_partition_epilogue()
+
+    def _gradient_partition_epilogue(self) -> None:
+        """independent_gradient_partition_epilogue, after its last reduction: the first backward of a
+        step keeps its gradient buffer as the sum (all_grad_tensors, views of it; averaged_gradients at
+        the boundary); a later one adds its buffer into the sum in place (accumulated_grad.add_).
+        _release_ipg_buffers then frees the bucket; a later backward's buffer goes after it, with its
+        last views (avg_new, p.grad) as the function returns."""
         self.bucket = None
+        with self.rank_own("grad-buffer-epilogue"):
+            if self.summed_grads is None:
+                self.summed_grads = self.grads_in_partition
+            elif self.grads_in_partition is not None:
+                self.summed_grads.add_(self.grads_in_partition)
+            self.grads_in_partition = None
 
     @classmethod
     def not_modelled(cls, settings: TrainSettings, *, stage: int) -> list[str]:
@@ -662,7 +704,7 @@ class DeepSpeedStepModel(Strategy):
             views, offset = [], 0
             for p in self.in_partition:
                 start, end = max(offset, lead), min(offset + p.numel(), lead + inside)
-                views.append(self.grads_in_partition[start:end])
+                views.append(self.summed_grads[start:end])
                 offset += p.numel()
             with self.rank_own("norms"):
                 for view in views:  # the norm, one fp32 copy at a time
@@ -677,7 +719,7 @@ class DeepSpeedStepModel(Strategy):
             with self.rank_own("padding-free"):
                 del views, padding
             with self.rank_own("grad-buffer-free"):
-                self.grads_in_partition = None
+                self.summed_grads = None
             self.master.grad = grad32
             grad32.mul_(1.0)  # unscale and clip, in place
             del grad32
@@ -720,11 +762,19 @@ class DeepSpeedStepModel(Strategy):
         copies = self.dtype != torch.float32  # .to(torch.float32) of an fp32 view is the view itself
 
         def requests(label: str, payload, state: dict) -> list[tuple[str, str, int]]:
+            # A backward's gradient buffer, at its first reduction holding a parameter of the slice: the
+            # step's first is kept as the sum ("grad-buffer"), a later one's is added into it and dropped
+            # at backward's end ("added-grad-buffer", stage 2 under gradient accumulation).
             if label == "grad-buffer":
-                if not state.get("grad-buffer") and not overlapping.isdisjoint(payload):
-                    state["grad-buffer"] = True
-                    return [("alloc", "grad-buffer", part.grad_buffer_elements * size)]
-                return []
+                if state.get("this-backward") or overlapping.isdisjoint(payload):
+                    return []
+                state["this-backward"] = True
+                name = "added-grad-buffer" if state.get("grad-buffer") else "grad-buffer"
+                state[name] = True
+                return [("alloc", name, part.grad_buffer_elements * size)]
+            if label == "grad-buffer-epilogue":
+                state.pop("this-backward", None)
+                return [("free", "added-grad-buffer", 0)] if state.pop("added-grad-buffer", False) else []
             if label == "norms":
                 out = []
                 for n in pieces:
