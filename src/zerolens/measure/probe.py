@@ -45,13 +45,13 @@ class MemoryProbe:
         return self.allocator.allocated() if self.allocator else None
 
     @contextlib.contextmanager
-    def detailed_step(self, strategy):
+    def detailed_step(self, strategy, batch: list):
         """Around the last step: what the detailed per-phase readings need."""
         if self.allocator:
             self.allocator.start_detailed_step(strategy.holdings())
             yield
             return
-        with tracked_step(strategy) as self.tracker:
+        with tracked_step(strategy, batch) as self.tracker:
             try:
                 yield
             finally:
@@ -74,10 +74,10 @@ class MemoryProbe:
     def after_setup(self, run) -> None:
         pass
 
-    def step(self, strategy, record: dict, last: bool):
+    def step(self, strategy, record: dict, last: bool, batch: list):
         """The last step is measured in detail: per-phase CPU peaks (slow: a tensor tracker) and, on
         CUDA, the allocator's events for the anatomy of each peak."""
-        return self.detailed_step(strategy) if last else contextlib.nullcontext()
+        return self.detailed_step(strategy, batch) if last else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def phase(self, name: str, strategy, record: dict, last: bool, loss: torch.Tensor | None = None,

@@ -42,10 +42,10 @@ class StepTimer:
             torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
-    def step(self, strategy, record: dict, last: bool):
+    def step(self, strategy, record: dict, last: bool, batch: list):
         if not self.cuda and record["step"] == self.warmup_steps - 1:
             start = time.perf_counter()
-            with self.tracked_step(strategy):
+            with self.tracked_step(strategy, batch):
                 yield
             record["seconds"] = time.perf_counter() - start  # a warm-up step's: no timing reads it
             return
@@ -60,11 +60,11 @@ class StepTimer:
         self.phase_events = []
 
     @contextlib.contextmanager
-    def tracked_step(self, strategy):
+    def tracked_step(self, strategy, batch: list):
         """The CPU's last warm-up step under torch's MemTracker, which follows every tensor the step
         allocates (slow, hence never a timed step)."""
         from zerolens.measure.tracker import tracked_step
-        with tracked_step(strategy) as self.tracker:
+        with tracked_step(strategy, batch) as self.tracker:
             try:
                 yield
             finally:

@@ -48,14 +48,19 @@ def memory_tracker_class():
 
 
 @contextlib.contextmanager
-def tracked_step(strategy):
+def tracked_step(strategy, batch: list):
     """torch's MemTracker (memory_tracker_class) around one training step of `strategy`, yielded: the
-    tensors the strategy holds before the step are tracked first, so that their frees during it are
-    seen; DTensor's shape propagation is kept out (dtensor_shapes_untraced)."""
+    tensors the strategy holds before the step, and the step's micro-batch made before it (`batch`),
+    are tracked first, so that they count and their frees during it are seen (MemTracker would
+    otherwise see the batch only where it enters a module: the tokens, not the labels). `batch` is
+    emptied once tracked, so that the step holds it no longer than the training loop does (under
+    gradient accumulation the loop drops it for the next micro-batch). DTensor's shape propagation
+    is kept out (dtensor_shapes_untraced)."""
     tracker = memory_tracker_class()()
     held = strategy.holdings()
     tracker.track_external(*[t for c in ("param", "grad", "optimizer_state", "comm_buffer")
-                             for t in getattr(held, c) if t is not None])
+                             for t in getattr(held, c) if t is not None], *batch)
+    batch.clear()
     with tracker, dtensor_shapes_untraced():
         yield tracker
 

@@ -97,8 +97,12 @@ def rank_batches(model: ModelConfig, *, seed: int, micro_batch: int, signal: flo
     for every strategy at a step, rank r's rows of it here."""
     step = 0
     while True:
-        tokens, labels = make_batch(model, step, seed=seed, batch_size=micro_batch * world_size, signal=signal)
-        yield rank_slice(tokens, labels, rank, world_size)
+        global_batch = make_batch(model, step, seed=seed, batch_size=micro_batch * world_size, signal=signal)
+        # A copy of the rank's rows, the global batch dropped: the rank holds its micro-batch only, as
+        # with a sampler that loads each rank's own rows (a view would keep every rank's rows alive).
+        mine = tuple(t.clone() for t in rank_slice(*global_batch, rank, world_size))
+        del global_batch
+        yield mine
         step += 1
 
 

@@ -108,12 +108,15 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
     losses = []
     start = time.perf_counter()
     with progress(steps, probe.label(strategy, 0)) if rank == 0 else contextlib.nullcontext() as bar:
-        for step, (tokens, labels) in zip(range(steps), batches):
+        for step in range(steps):
+            # next() rather than zip(range(steps), batches): zip's cached result tuple would hold the
+            # step's first micro-batch until the next step, beside the later ones under accumulation.
+            tokens, labels = next(batches)
             phase.at(step=step)
             record = {"strategy": strategy.name, "rank": rank, "step": step}
             last = step == steps - 1
             micro_losses = []
-            with probe.step(strategy, record, last):
+            with probe.step(strategy, record, last, batch=[tokens, labels]):
                 for micro in range(grad_accum):
                     if micro:  # the step's next micro-batch, made when needed, as a data loader would
                         tokens, labels = next(batches)
