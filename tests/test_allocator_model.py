@@ -249,3 +249,13 @@ def test_the_users_alloc_conf_is_replayed_as_the_allocator_ran_it(name):
     model = replay_recording(record)
     assert model.snapshot() == sorted(record["segments"])
     assert (model.allocated_peak, model.reserved_peak) == (record["max_memory_allocated"], record["max_memory_reserved"])
+
+
+def test_the_allocated_peak_counts_a_block_handed_out_unsplit_whole():
+    """19.5 MiB from a fresh 20 MiB segment leaves 0.5 MiB, too little to split off in the large pool
+    (at most kSmallSize): torch.cuda.max_memory_allocated counts the whole 20 MiB, and so does
+    allocator_needs' allocated_peak_bytes (as the recordings above show to the byte). With expandable
+    segments the block is split (512 bytes or more remain): 19.5 MiB."""
+    from zerolens.predict.allocator import allocator_needs
+    needs = allocator_needs([("alloc", 1, 39 * MiB // 2, 0), ("free", 1, 0, 0)])
+    assert needs["allocated_peak_bytes"] == {"default": 20 * MiB, "expandable_segments": 39 * MiB // 2}

@@ -558,17 +558,21 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
 
 def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str | None = None) -> dict[str, dict[str, int]]:
     """What one rank's requests (a peak trace's, predict/peak.py) need from the caching allocator:
-    `reserved_peak_bytes`, the most it reserves with no cap, and `min_allocator_cap_bytes`, the
-    smallest cap under which they run, each per allocator setting: "default", "expandable_segments",
-    and "PYTORCH_CUDA_ALLOC_CONF" where this process's (or `alloc_conf`) sets an option the model
+    `reserved_peak_bytes`, the most it reserves with no cap, `min_allocator_cap_bytes`, the smallest
+    cap under which they run, and `allocated_peak_bytes`, the allocated peak as the allocator counts
+    it (torch.cuda.max_memory_allocated: a block it hands out unsplit, with up to 1 MiB more than
+    asked, counts whole), each per allocator setting: "default", "expandable_segments", and
+    "PYTORCH_CUDA_ALLOC_CONF" where this process's (or `alloc_conf`) sets an option the model
     follows besides expandable segments (max_split_size_mb, roundup_power2_divisions)."""
-    out: dict[str, dict[str, int]] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}}
+    out: dict[str, dict[str, int]] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {},
+                                      "allocated_peak_bytes": {}}
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
     if allocator_setting(alloc_conf)[0] == USER_SETTING:
         settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
     for name, options in settings.items():
         uncapped = run_requests(requests, **options)
         out["reserved_peak_bytes"][name] = uncapped.reserved_peak
+        out["allocated_peak_bytes"][name] = uncapped.allocated_peak
         out["min_allocator_cap_bytes"][name] = smallest_cap(requests, uncapped=uncapped, **options)
     return out
 

@@ -260,7 +260,7 @@ def predicted_for_measurement(rank: dict) -> dict:
     return predicted["last_step"] if predicted["target"] == "cpu" else predicted
 
 
-def peak_prediction_check(name: str, rank: dict) -> dict:
+def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "default") -> dict:
     """The peak predicted before training against the measured one. CPU (torch's MemTracker on
     both sides): every phase within 1%, or within the bytes of the rank's batch (tokens and
     labels), which the tracker counts or not depending on how the training loop holds them (a few
@@ -318,12 +318,19 @@ def peak_prediction_check(name: str, rank: dict) -> dict:
                           "the next operations have allocated")
         detail = f"worst: {worst} {errors[worst]:+.2%} ({misses[worst]} bytes)"
     else:
-        overall = predicted["peak_bytes"] / rank["peak_bytes"] - 1
+        # The allocator counts a block it hands out unsplit whole: its peak is the allocator model's count
+        # of the trace's requests where the model replayed this rank's (allocated_peak_bytes), else the
+        # bytes requested (docs/results/1xh200/issue22-inputs: up to 25 MB, 1.1%, apart).
+        counted = predicted.get("allocated_peak_bytes", {}).get(allocator_setting)
+        peak = counted if counted is not None else predicted["peak_bytes"]
+        overall = peak / rank["peak_bytes"] - 1
         passed = abs(overall) <= PEAK_PREDICTION_TOLERANCE_CUDA and all(
             abs(e) <= PHASE_PEAK_PREDICTION_TOLERANCE_CUDA for e in errors.values())
-        measured, expected = measured | {"peak": rank["peak_bytes"]}, expected | {"peak": predicted["peak_bytes"]}
-        tolerance = (f"the peak within {PEAK_PREDICTION_TOLERANCE_CUDA:.0%} of the allocator's, each phase within "
+        measured, expected = measured | {"peak": rank["peak_bytes"]}, expected | {"peak": peak}
+        tolerance = (f"the peak (as the allocator counts it{'' if counted is not None else ': not replayed, as asked'}) "
+                     f"within {PEAK_PREDICTION_TOLERANCE_CUDA:.0%} of the allocator's, each phase (as asked) within "
                      f"{PHASE_PEAK_PREDICTION_TOLERANCE_CUDA:.0%}")
-        detail = f"peak {overall:+.2%}; worst phase: {worst} {errors[worst]:+.2%}"
+        detail = (f"peak {overall:+.2%} (as asked {predicted['peak_bytes'] / rank['peak_bytes'] - 1:+.2%}); "
+                  f"worst phase: {worst} {errors[worst]:+.2%}")
     return check(f"peak as predicted ({name}, rank {rank['rank']})", passed, measured=measured, expected=expected,
                  tolerance=tolerance, detail=detail)

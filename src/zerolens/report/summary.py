@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from statistics import median
 
+from zerolens.predict.allocator import allocator_setting
 from zerolens.report.checks import (
     MIN_STEPS_TO_JUDGE_LEARNING,
     allocator_check,
@@ -138,7 +139,8 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], trained, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
     # A rank whose peaks hold an earlier strategy's memory (another launcher) has none to compare.
-    checks += [peak_prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]
+    setting = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))[0]
+    checks += [peak_prediction_check(name, rank, setting) for name, s in strategies.items() for rank in s["ranks"]
                if "predicted_peaks" in rank and rank.get("peak_bytes") is not None]
     if config.device == "cuda":
         for name, s in strategies.items():
