@@ -257,5 +257,9 @@ def test_the_allocated_peak_counts_a_block_handed_out_unsplit_whole():
     allocator_needs' allocated_peak_bytes (as the recordings above show to the byte). With expandable
     segments the block is split (512 bytes or more remain): 19.5 MiB."""
     from zerolens.predict.allocator import allocator_needs
-    needs = allocator_needs([("alloc", 1, 39 * MiB // 2, 0), ("free", 1, 0, 0)])
+    needs = allocator_needs([("phase", (0, "forward"), None, 0), ("alloc", 1, 39 * MiB // 2, 0), ("free", 1, 0, 0),
+                             ("phase", (0, "step"), None, 0), ("alloc", 2, MiB, 0)])
     assert needs["allocated_peak_bytes"] == {"default": 20 * MiB, "expandable_segments": 39 * MiB // 2}
+    # Each phase from what is allocated at its start: the step's 1 MiB, the small pool's largest request,
+    # split from a 2 MiB segment (the small pool splits any rest).
+    assert needs["allocated_phase_peaks"]["default"] == {"forward": 20 * MiB, "step": MiB}

@@ -111,7 +111,8 @@ def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cud
                                            "peak_bytes", "cublas_workspace_bytes")})
         if cuda_capability is not None:  # what the caching allocator and the rest of the process need
             rank.update({k: peaks[k] for k in ("reserved_peak_bytes", "min_allocator_cap_bytes",
-                                               "allocated_peak_bytes", "allocator_not_replayed") if k in peaks})
+                                               "allocated_peak_bytes", "allocated_phase_peaks",
+                                               "allocator_not_replayed") if k in peaks})
             rank["outside_allocator_bytes"] = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
 
 

@@ -174,6 +174,10 @@ class CachingAllocator:
         self.small_pool, self.large_pool = Pool(), Pool()
         self.segments: dict[int, Segment] = {}
         self.reserved = self.allocated = self.reserved_peak = self.allocated_peak = 0
+        # The allocated peak of each phase a sequence marks, from what is allocated at its start (what
+        # torch.cuda.max_memory_allocated reads after reset_peak_memory_stats at the phase's start).
+        self.phase_peaks: dict = {}
+        self.phase = None
         self.events: list[tuple[str, int, int, int]] = []
         self._next_address = 1 << 40
         self.place_segment = place_segment or self._above_the_last
@@ -203,7 +207,14 @@ class CachingAllocator:
         block.allocated = True
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.phase is not None and self.allocated > self.phase_peaks[self.phase]:
+            self.phase_peaks[self.phase] = self.allocated
         return block
+
+    def begin_phase(self, key) -> None:
+        """A phase begins; one begun again (a later micro-batch's forward) keeps its highest peak."""
+        self.phase = key
+        self.phase_peaks[key] = max(self.phase_peaks.get(key, 0), self.allocated)
 
     def _free_block(self, pool: Pool, size: int, stream: int) -> Block | None:
         """get_free_block: the best fit of this stream, taken out of the pool. With expandable segments
@@ -517,12 +528,15 @@ def requests_of_recording(record: dict) -> list[tuple[str, int, int, int]]:
 
 def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None = None, **settings) -> CachingAllocator:
     """The requests through a model allocator of `settings` (CachingAllocator's: expandable,
-    max_split_size, roundup_divisions) under `cap`; raises OutOfMemory where the allocator would."""
+    max_split_size, roundup_divisions) under `cap`; raises OutOfMemory where the allocator would. A
+    ("phase", key, ...) mark begins a phase (its allocated peak: `phase_peaks[key]`)."""
     allocator = CachingAllocator(cap=cap, **settings)
     blocks: dict[int, Block] = {}
     for action, ident, size, stream in requests:
         if action == "alloc":
             blocks[ident] = allocator.malloc(size, stream)
+        elif action == "phase":
+            allocator.begin_phase(ident)
         else:
             allocator.free(blocks.pop(ident))
     return allocator
@@ -561,11 +575,13 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
     `reserved_peak_bytes`, the most it reserves with no cap, `min_allocator_cap_bytes`, the smallest
     cap under which they run, and `allocated_peak_bytes`, the allocated peak as the allocator counts
     it (torch.cuda.max_memory_allocated: a block it hands out unsplit, with up to 1 MiB more than
-    asked, counts whole), each per allocator setting: "default", "expandable_segments", and
+    asked, counts whole), with `allocated_phase_peaks`, that of each phase the requests mark
+    (("phase", (step, phase), ...): its highest over the steps), each per allocator setting:
+    "default", "expandable_segments", and
     "PYTORCH_CUDA_ALLOC_CONF" where this process's (or `alloc_conf`) sets an option the model
     follows besides expandable segments (max_split_size_mb, roundup_power2_divisions)."""
-    out: dict[str, dict[str, int]] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {},
-                                      "allocated_peak_bytes": {}}
+    out: dict[str, dict] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
+                            "allocated_phase_peaks": {}}
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
     if allocator_setting(alloc_conf)[0] == USER_SETTING:
         settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
@@ -573,6 +589,10 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
         uncapped = run_requests(requests, **options)
         out["reserved_peak_bytes"][name] = uncapped.reserved_peak
         out["allocated_peak_bytes"][name] = uncapped.allocated_peak
+        phases: dict[str, int] = {}
+        for (_, phase), peak in uncapped.phase_peaks.items():
+            phases[phase] = max(phases.get(phase, 0), peak)
+        out["allocated_phase_peaks"][name] = phases
         out["min_allocator_cap_bytes"][name] = smallest_cap(requests, uncapped=uncapped, **options)
     return out
 

@@ -240,16 +240,16 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
     out = traced_rank(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
                       trace_on=trace_on, steps=steps, requests=sequence)[0]
     if requests is not None:
-        requests.extend(plain_requests(sequence))
+        requests.extend(r for r in plain_requests(sequence) if r[0] != "phase")
     return out
 
 
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                 cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
-                requests: list | None = None, brackets: bool = False, marks: bool = False) -> tuple[dict, dict]:
+                requests: list | None = None, brackets: bool = False) -> tuple[dict, dict]:
     """predict_peaks, and the trace's record, what a splice (spliced_ranks) or a scaling to other
     micro-batches (predict/micro_batches.py) needs of it: `requests`, the allocation sequence (with
-    each phase's start marked where `marks` or `brackets`, and with `brackets` the step model's
+    each phase's start marked, and with `brackets` the step model's
     rank_own brackets, whatever the target), `raw` (each allocation's bytes before rounding),
     `phase_peaks` (the tracker's peak per (step, phase)), `held`, `step_model`, and what rank_outcome
     needs besides."""
@@ -272,7 +272,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         requests = []
     if brackets:
         step_model.mark = lambda action, label, payload: requests.append((action, label, payload, 0))
-    marks = (marks and requests is not None) or brackets
+    marks = requests is not None  # each phase's allocated peak as the allocator counts it (allocator_needs)
     workspaces = cublas_workspaces(cuda_capability)
     raw: dict = {}
     inside: dict = {}
@@ -305,7 +305,8 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             reset_tracker_peak(tracker)
             if marks:
                 requests.append(("phase", (len(traced) - 1, name), None, 0))
-            if requests is not None and len(traced) == 1:  # the first step's first matrix products allocate them
+            # The first step's first matrix products allocate them: its first micro-batch's, under accumulation.
+            if requests is not None and len(traced) == 1 and name not in into:
                 workspaces_due.extend(("alloc", f"{WORKSPACE_ID}{name}-{i}", size, 0)
                                       for i, size in enumerate(workspaces.get(name, ())))
             before = len(gloo_copies), len(modelled_buffers)
@@ -369,13 +370,13 @@ def peaks_of(traced: list[dict[str, int]], held: int, workspace: int) -> dict:
 
 
 def plain_requests(requests: list) -> list:
-    """The allocations and frees of a recorded sequence, without its marks (phases, brackets), with
-    the buffers kernels allocate inside an operation ("kernel_alloc", "kernel_free": in no total the
-    tracker keeps) but those of no bytes (kept in the sequence so that another micro-batch's can have
-    some: predict/micro_batches.py)."""
+    """The allocations and frees of a recorded sequence, and its phases' marks, without its brackets,
+    with the buffers kernels allocate inside an operation ("kernel_alloc", "kernel_free": in no total
+    the tracker keeps) but those of no bytes (kept in the sequence so that another micro-batch's can
+    have some: predict/micro_batches.py)."""
     out = []
     for action, request, size, stream in requests:
-        if action in ("alloc", "free"):
+        if action in ("alloc", "free", "phase"):
             out.append((action, request, size, stream))
         elif action == "kernel_alloc" and size:
             out.append(("alloc", request, size, stream))

@@ -318,19 +318,25 @@ def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "defau
                           "the next operations have allocated")
         detail = f"worst: {worst} {errors[worst]:+.2%} ({misses[worst]} bytes)"
     else:
-        # The allocator counts a block it hands out unsplit whole: its peak is the allocator model's count
-        # of the trace's requests where the model replayed this rank's (allocated_peak_bytes), else the
-        # bytes requested (docs/results/1xh200/issue22-inputs: up to 25 MB, 1.1%, apart).
-        counted = predicted.get("allocated_peak_bytes", {}).get(allocator_setting)
-        peak = counted if counted is not None else predicted["peak_bytes"]
+        # The allocator counts a block it hands out unsplit whole (up to 1 MiB more than asked): its peaks
+        # are the allocator model's count of the trace's requests where it replayed this rank's
+        # (allocated_phase_peaks), else the bytes asked (docs/results/1xh200/issue22-inputs: 0.6-25 MB,
+        # up to 2.5% of a phase, apart).
+        counted = predicted.get("allocated_phase_peaks", {}).get(allocator_setting)
+        if counted is not None:
+            expected = {phase: counted[phase] for phase in measured}
+            errors = {phase: expected[phase] / measured[phase] - 1 for phase in measured}
+            worst = max(errors, key=lambda phase: abs(errors[phase]))
+        peak = max(counted.values()) if counted is not None else predicted["peak_bytes"]
         overall = peak / rank["peak_bytes"] - 1
         passed = abs(overall) <= PEAK_PREDICTION_TOLERANCE_CUDA and all(
             abs(e) <= PHASE_PEAK_PREDICTION_TOLERANCE_CUDA for e in errors.values())
         measured, expected = measured | {"peak": rank["peak_bytes"]}, expected | {"peak": peak}
-        tolerance = (f"the peak (as the allocator counts it{'' if counted is not None else ': not replayed, as asked'}) "
-                     f"within {PEAK_PREDICTION_TOLERANCE_CUDA:.0%} of the allocator's, each phase (as asked) within "
-                     f"{PHASE_PEAK_PREDICTION_TOLERANCE_CUDA:.0%}")
-        detail = (f"peak {overall:+.2%} (as asked {predicted['peak_bytes'] / rank['peak_bytes'] - 1:+.2%}); "
+        tolerance = (f"the peak within {PEAK_PREDICTION_TOLERANCE_CUDA:.0%} of the allocator's, each phase within "
+                     f"{PHASE_PEAK_PREDICTION_TOLERANCE_CUDA:.0%}, "
+                     + ("as the allocator counts them (the allocator model's replay of the trace)" if counted is not None
+                        else "as the bytes asked (the allocator model did not replay this rank's)"))
+        detail = (f"peak {overall:+.2%} (the bytes asked {predicted['peak_bytes'] / rank['peak_bytes'] - 1:+.2%}); "
                   f"worst phase: {worst} {errors[worst]:+.2%}")
     return check(f"peak as predicted ({name}, rank {rank['rank']})", passed, measured=measured, expected=expected,
                  tolerance=tolerance, detail=detail)
