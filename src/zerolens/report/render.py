@@ -129,7 +129,12 @@ def reserved_table(summary: dict) -> str:
 def peak_prediction_section(summary: dict) -> str:
     """Each phase's peak, predicted before training (predict/peak.py) beside measured: on CUDA the
     highest over the steps, on the CPU the last step's (what each measures)."""
+    from zerolens.predict.allocator import allocator_setting
     cuda = summary["device"] == "cuda"
+    setting = allocator_setting(summary.get("alloc_conf") or "")[0]
+
+    def error(predicted, measured) -> str:
+        return "-" if not measured or predicted is None else f"{predicted / measured - 1:+.2%}"
     rows, why_not = [], []
     for name, s in summary["strategies"].items():
         if "peak_not_predicted" in s:
@@ -137,17 +142,23 @@ def peak_prediction_section(summary: dict) -> str:
             continue
         for r in s["ranks"]:
             p = predicted_for_measurement(r)
+            counted = p.get("allocated_phase_peaks", {}).get(setting, {})
             for phase in ("forward", "backward", "step"):
                 measured, reserved = r.get(f"peak_during_{phase}"), r.get(f"reserved_peak_during_{phase}")
                 rows.append([name, r["rank"], phase, mib(p[f"peak_during_{phase}"]), mib(measured),
-                             "-" if not measured else f"{p[f'peak_during_{phase}'] / measured - 1:+.2%}",
-                             *([mib(reserved), "-" if reserved is None or measured is None else mib(reserved - measured)]
+                             error(p[f"peak_during_{phase}"], measured),
+                             *([mib(counted.get(phase)), error(counted.get(phase), measured), mib(reserved),
+                                "-" if reserved is None or measured is None else mib(reserved - measured)]
                                if cuda else [])])
     if not rows and not why_not:
         return ""
     table = markdown_table(["strategy", "rank", "phase", "predicted peak", "measured peak", "error",
-                            *(["reserved peak", "reserved - allocated"] if cuda else [])], rows)
-    fragmentation = (" The last two columns: what the allocator had reserved from the driver at each phase's "
+                            *(["predicted as the allocator counts it", "error", "reserved peak",
+                               "reserved - allocated"] if cuda else [])], rows)
+    fragmentation = (" Predicted as the allocator counts it: the trace's requests replayed through the model of "
+                     "the caching allocator, which hands out a block whole where too little would be left to split "
+                     "off, and counts it whole (what the check \"peak as predicted\" compares)."
+                     " The last two columns: what the allocator had reserved from the driver at each phase's "
                      "highest, and how much of it was not allocated (its cached blocks and their unused parts). "
                      "The reserved peak of the run, predicted by replaying the trace's allocations through a model "
                      "of the caching allocator (predict/allocator.py), follows." + reserved_table(summary)
