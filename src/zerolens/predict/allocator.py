@@ -577,9 +577,9 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
     it (torch.cuda.max_memory_allocated: a block it hands out unsplit, with up to 1 MiB more than
     asked, counts whole), with `allocated_phase_peaks`, that of each phase the requests mark
     (("phase", (step, phase), ...): its highest over the steps), each per allocator setting:
-    "default", "expandable_segments", and
-    "PYTORCH_CUDA_ALLOC_CONF" where this process's (or `alloc_conf`) sets an option the model
-    follows besides expandable segments (max_split_size_mb, roundup_power2_divisions)."""
+    "default", "expandable_segments", and "PYTORCH_CUDA_ALLOC_CONF" where this process's (or
+    `alloc_conf`) sets an option the model follows besides expandable segments (max_split_size_mb,
+    roundup_power2_divisions)."""
     out: dict[str, dict] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
                             "allocated_phase_peaks": {}}
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
