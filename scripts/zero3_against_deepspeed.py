@@ -4,6 +4,11 @@ Both are traced on fake tensors as one rank under a fake process group.
 
 python3 scripts/zero3_against_deepspeed.py [--preset gpt-tiny] [--nproc 2] [--rank 0] [--precision bf16]
     [--micro-batch 8] [--reduce-bucket-size 5e7] [--width W] [--activation-checkpointing] [--cuda]
+    [--grad-accum K]
+
+Under gradient accumulation (--grad-accum K) each micro-batch's forward and backward is compared, and
+what DeepSpeed's engine.step() after a micro-batch before the boundary allocates ("between": it should
+only count; the step model runs nothing there), with what each holds after it.
 
 The step model restates DeepSpeed 0.19.8's source; this shows where another release (or CUDA, with
 --cuda on a machine with a GPU) allocates otherwise. DeepSpeed itself cannot be traced as it is:
@@ -26,7 +31,7 @@ import torch
 from zerolens.measure.tracker import reset_tracker_peak, tracker_total
 from zerolens.models.data import make_batch
 from zerolens.models.model import PRESETS, meta_model
-from zerolens.predict.peak import PHASES, fake_process_group, totals_tracker
+from zerolens.predict.peak import fake_process_group, totals_tracker
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.deepspeed import DeepSpeedZero
 
@@ -40,6 +45,7 @@ parser.add_argument("--reduce-bucket-size", type=float, default=5e7)
 parser.add_argument("--width", type=int, help="d_model (the MLP 4x as wide)")
 parser.add_argument("--activation-checkpointing", action="store_true")
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (gradient_accumulation_steps)")
 parser.add_argument("--cuda", action="store_true", help="trace on fake CUDA tensors (needs a visible GPU)")
 args = parser.parse_args()
 
@@ -49,7 +55,7 @@ if args.width:
 if args.activation_checkpointing:
     model_config = dataclasses.replace(model_config, activation_checkpointing=True)
 settings = TrainSettings(precision=args.precision, world_size=args.nproc, micro_batch=args.micro_batch,
-                         reduce_bucket_size=int(args.reduce_bucket_size))
+                         reduce_bucket_size=int(args.reduce_bucket_size), grad_accum=args.grad_accum)
 device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
 
 
@@ -67,11 +73,14 @@ def with_deepspeed_read_values_replaced():
 
 
 def traced(strategy) -> list[dict]:
-    """Each step's peak per phase of `strategy` (set up on a fake model) as predict_peak counts it."""
+    """Each step's peak per phase of `strategy` (set up on a fake model) as predict_peak counts it; under
+    gradient accumulation forward and backward per micro-batch ("forward 0", ...), and what is held
+    after each micro-batch before the last ("held 0", ...) and its peak in engine.step() before the boundary
+    ("between 0", ...)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     tokens, labels = make_batch(model_config, 0, seed=0, batch_size=args.micro_batch, signal=0.0)
     model = meta_model(model_config)
-    tracker, steps = totals_tracker(), []
+    tracker, steps = totals_tracker(device_type=device.type), []
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK="0")
     with warnings.catch_warnings(), fake_process_group(args.rank, args.nproc), \
             FakeTensorMode(allow_non_fake_inputs=True) as mode, tracker, with_deepspeed_read_values_replaced():
@@ -82,18 +91,27 @@ def traced(strategy) -> list[dict]:
         strategy.setup(model, device)
         tokens, labels = mode.from_tensor(tokens), mode.from_tensor(labels)
         for _ in range(args.steps):
-            tracker.reset_mod_stats()
-            peaks, batch = {}, (tokens.clone(), labels.clone())
-            for phase in PHASES:
-                reset_tracker_peak(tracker)
-                if phase == "forward":
+            peaks = {}
+            for micro in range(args.grad_accum):
+                tracker.reset_mod_stats()
+                batch = (tokens.clone(), labels.clone())
+                name = "" if args.grad_accum == 1 else f" {micro}"
+                with strategy.accumulating(sync=micro == args.grad_accum - 1):
+                    reset_tracker_peak(tracker)
                     loss = strategy.forward_loss(*batch)
-                elif phase == "backward":
+                    peaks["forward" + name] = tracker_total(tracker, "peak")
+                    reset_tracker_peak(tracker)
                     strategy.backward(loss)
-                    del loss
-                else:
-                    strategy.step()
-                peaks[phase] = tracker_total(tracker, "peak")
+                    del loss, batch
+                    peaks["backward" + name] = tracker_total(tracker, "peak")
+                    reset_tracker_peak(tracker)  # DeepSpeedZero.accumulating's engine.step() before the boundary
+                if micro < args.grad_accum - 1:
+                    peaks["between" + name] = tracker_total(tracker, "peak")
+                    peaks["held" + name] = tracker_total(tracker, "current")
+            reset_tracker_peak(tracker)
+            strategy.step()
+            peaks["step"] = tracker_total(tracker, "peak")
+            peaks["held after step"] = tracker_total(tracker, "current")
             steps.append(peaks)
     return steps
 
@@ -103,4 +121,6 @@ model_steps = traced(registry.spec("zero3").build_step_model(settings, rank=args
 print(json.dumps({"deepspeed": deepspeed_steps, "step_model": model_steps}))
 for i, (ds, ours) in enumerate(zip(deepspeed_steps, model_steps)):
     print(f"step {i}: " + "  ".join(f"{phase} {ds[phase] / 2**20:.2f} MiB, step model {ours[phase] - ds[phase]:+d} bytes"
-                                     for phase in PHASES))
+                                     for phase in ds))
+worst = max(abs(ours[phase] - ds[phase]) for ds, ours in zip(deepspeed_steps, model_steps) for phase in ds)
+print(f"worst: {worst} bytes")

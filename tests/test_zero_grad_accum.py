@@ -16,11 +16,10 @@ MODEL = PRESETS["gpt-tiny"]
 BUCKET = 20_000  # elements: several reductions per backward, and a bucket small beside the gradients
 
 
-def test_only_zero3_leaves_gradient_accumulation_unmodelled():
+def test_every_deepspeed_stage_is_traced_under_gradient_accumulation():
     accumulated = TrainSettings(precision="bf16", world_size=2, micro_batch=2, grad_accum=2)
-    for name in ("zero0", "zero1", "zero2"):
+    for name in ("zero0", "zero1", "zero2", "zero3"):
         assert why_not_traced(name, MODEL, accumulated) is None
-    assert "gradient_accumulation_steps: 2" in why_not_traced("zero3", MODEL, accumulated)
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2"])

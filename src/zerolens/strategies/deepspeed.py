@@ -385,13 +385,10 @@ def zero_config(config: dict):
 def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
     """What in the run's DeepSpeed config (the user's, filled and overridden as the run will use
     it) the step model of `stage` does not model, as "key: value"; empty without a config of the
-    user's own and, at ZeRO-3, without gradient accumulation, whose micro-batches before the
-    boundary its step model does not follow (stage3.py reduces each into its partition; stages 0
-    to 2 are modelled: DeepSpeedStepModel.accumulating)."""
-    accumulation = [f"gradient_accumulation_steps: {settings.grad_accum}"] \
-        if settings.grad_accum > 1 and stage == 3 else []
+    user's own. Gradient accumulation is modelled at every stage (DeepSpeedStepModel.accumulating;
+    ZeRO-3: DeepSpeedStage3StepModel, whose micro-batches each reduce into the gradient partitions)."""
     if not (settings.user_ds_config or settings.ds_override):
-        return accumulation
+        return []
     if importlib.util.find_spec("deepspeed") is None:  # reading the config takes DeepSpeed's own parser
         return ["a DeepSpeed config (reading it needs DeepSpeed installed)"]
     plain = dataclasses.replace(settings, user_ds_config={}, ds_override={})
@@ -424,7 +421,7 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
         ignored = read | ZERO_FIELDS_INERT | (set() if stage == 3 else ZERO_FIELDS_OF_STAGE3)
         out += [f"zero_optimization.{k}: {json.dumps(brief(yours[k]), default=str)}" for k in yours
                 if k not in ignored and yours[k] != mine.get(k)]
-    return accumulation + out
+    return out
 
 
 def torch_adamw(params, settings: TrainSettings, cuda: bool) -> torch.optim.Optimizer:

@@ -27,6 +27,23 @@ DeepSpeedZeroConfig). The pieces:
   elements) as it is made, and the gradient freed; a full bucket, and the last at the end of
   backward, is reduce-scattered from one interleaved copy of its gradients (coalesced_collectives.py,
   reduce_scatter_coalesced) and the rank's part copied into the persistent gradient partition buffer.
+- Gradient accumulation (gradient_accumulation_steps > 1; engine.py, stage3.py): every micro-batch
+  reduces as above, the boundary's or not (engine.allreduce_gradients ->
+  overlapping_partition_gradients_reduce_epilogue -> independent_gradient_partition_epilogue, at every
+  backward for ZeRO-3), and partition_grads copies the rank's pieces into the gradient partitions at
+  the step's first micro-batch (micro_step_id 0) and adds them in place at the later ones
+  (grad_buffer.add_ of the piece .to(gradient_accumulation_dtype), the run's dtype: no copy; on the CPU
+  too, which DeepSpeed's CPU accelerator counts as on the accelerator). micro_step_id counts the
+  backwards whose epilogue ran, at the next forward (engine.forward -> clear_backward_seen_flag), and
+  the step sets it back to 0 (_pre_step, zero_grad). engine.step() before the boundary only counts
+  (_take_model_step only at the boundary): nothing is released, the gathered persistent parameters
+  stay, and the next forward's reset_step waits for and releases what backward left in flight. So
+  between micro-batches ZeRO-3 holds what a step leaves (the shards, the fp32 masters and, from the
+  second step on, AdamW's states, the reduce bucket, the gradient partitions, the persistent
+  parameters gathered), and nothing more. The first step differs, as without accumulation, by the
+  coordinator's trace: its first micro-batch records it, releasing every parameter after use, the
+  persistent ones too; its second, the first forward with a complete trace, prefetches them with the
+  others, where without accumulation a step's _post_step would have gathered them first.
 - The step (stage3.py, step): every gathered parameter released; in fp16 the partitions checked for
   inf and nan; the gradient norm from an fp64 copy of one partition at a time; per sub-group (sub_group_size elements), the partitions flattened and
   converted to fp32 as the gradient of the fp32 master (a copy of the shards, in fp32 runs too),
@@ -211,7 +228,15 @@ class Coordinator:
         return self.most_recent_step_id_fetched_for.get(p, int(-1e10))
 
     def fetch(self, module: ModuleState, forward: bool) -> None:
-        """fetch_sub_module: gather the module's parameters, wait for them, then prefetch."""
+        """fetch_sub_module: gather the module's parameters, wait for them, then prefetch. They are
+        waited in DeepSpeed's order, that of a set of the module's Parameters (by their addresses):
+        where they sit in two prefetched all-gathers, one waited already (a prefetch bucket's end
+        falls among them), it decides whether the older flat buffer goes before the newer one's
+        copies are made or after. The trace's order is its own Parameters'; a run's, which another
+        process's addresses decide, may be the other (seen under gradient accumulation, at the
+        first step's second micro-batch, which prefetches the persistent parameters too:
+        case-study-130m in fp32 on 2 ranks, where the two orders' peaks of that forward are 117,608,488
+        bytes apart)."""
         if self.trace_mode == "record":  # record_module
             self.module_order.append(module)
             self.step_id_module_fetched_for.setdefault(module.id, []).append(self.step_id)
@@ -219,7 +244,8 @@ class Coordinator:
             self.active_backward[module.id] = module
         to_fetch = set(module.params())
         self.all_gather(to_fetch)
-        for p in to_fetch:
+        by_param = {p.param: p for p in module.params()}  # set(iter_params(module)), iterated
+        for p in [by_param[param] for param in set(by_param)]:
             p.active_modules.add(module.id)
             if p in self.in_flight:
                 self.in_flight.pop(p).wait()
@@ -463,6 +489,9 @@ class DeepSpeedStage3StepModel(Strategy):
                                        max_reuse_distance=c.max_reuse_distance)
         self.bucket_params: list[ShardedParam] = []
         self.bucket_elements = 0
+        # stage3.py: the micro-batches of the step reduced so far (partition_grads copies at 0, adds after),
+        # and whether this backward's epilogue ran (counted at the next forward).
+        self.micro_step_id, self.epilogue_ran = 0, False
         self.register_hooks(model)
 
     def register_hooks(self, model: nn.Module) -> None:
@@ -523,7 +552,12 @@ class DeepSpeedStage3StepModel(Strategy):
             nn.functional.linear = torch_linear
 
     def forward_loss(self, tokens, labels):
-        # engine.py, forward: external parameters are looked for during the model's forward only.
+        # engine.py, forward: clear_backward_seen_flag counts the last backward's micro-batch (under
+        # gradient accumulation, where no step came between).
+        if self.epilogue_ran:
+            self.micro_step_id += 1
+        self.epilogue_ran = False
+        # External parameters are looked for during the model's forward only.
         self.in_forward = True
         try:
             with self.zero3_linear():
@@ -536,9 +570,10 @@ class DeepSpeedStage3StepModel(Strategy):
         with self.zero3_linear():
             loss.backward()
         # engine.py, _backward_epilogue: the last bucket reduced (stage3.py,
-        # independent_gradient_partition_epilogue), then the parameters of modules whose
-        # post-backward hook never ran released.
+        # independent_gradient_partition_epilogue), at every micro-batch under gradient accumulation,
+        # then the parameters of modules whose post-backward hook never ran released.
         self.reduce_bucket()
+        self.epilogue_ran = True
         self.coordinator.release_backward_leftovers()
 
     def into_bucket(self, p: ShardedParam) -> None:
@@ -560,7 +595,8 @@ class DeepSpeedStage3StepModel(Strategy):
         """stage3.py, __reduce_and_partition_ipg_grads with reduce_scatter: __avg_scatter_grads ->
         coalesced_collectives.py, reduce_scatter_coalesced (one interleaved copy of the gradients,
         each padded to N pieces, unless a single gradient divides by N), then partition_grads: the
-        rank's piece of each gradient copied into its partition, the gradient dropped."""
+        rank's piece of each gradient copied into its partition at the step's first micro-batch, added
+        to it in place at a later one (gradient accumulation), the gradient dropped."""
         if not self.bucket_params:
             return
         with torch.no_grad():
@@ -585,13 +621,18 @@ class DeepSpeedStage3StepModel(Strategy):
             offset = 0
             for p, chunk, length in zip(params, chunks, lengths):
                 if chunk * rank < p.numel:  # partition_grads: a piece with data
-                    self.grad_partition_of[p].narrow(0, 0, length).copy_(mine.narrow(0, offset, length))
+                    partition, piece = self.grad_partition_of[p].narrow(0, 0, length), mine.narrow(0, offset, length)
+                    if self.micro_step_id == 0:
+                        partition.copy_(piece)
+                    else:  # .to(gradient_accumulation_dtype): the run's dtype, the piece itself
+                        partition.add_(piece)
                 p.param.grad = None
                 offset += chunk
         self.bucket_params, self.bucket_elements = [], 0
 
     # --- The step -----------------------------------------------------------------------------------
     def step(self):
+        self.micro_step_id, self.epilogue_ran = 0, False  # stage3.py, _pre_step (and zero_grad after)
         with torch.no_grad():
             self.coordinator.release_all(self.params)  # stage3.py, step: _partition_all_parameters
             if self.dtype == torch.float16:  # has_overflow: the partitions checked for inf and nan
