@@ -242,6 +242,12 @@ def end_pool(executor) -> None:
             with contextlib.suppress(OSError):
                 process.kill()
     executor.shutdown(wait=False, cancel_futures=True)
+    # The executor's manager thread closes its wake-up pipe as it ends, with no lock against the exit hook
+    # (concurrent.futures.process._python_exit) writing to it: an interrupted plan now and then ended
+    # "OSError: [Errno 9] Bad file descriptor" after its last line. The workers are dead; it ends at once.
+    manager = getattr(executor, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=5)
 
 
 def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_bucket_sizes: list[int],
