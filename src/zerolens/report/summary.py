@@ -139,7 +139,9 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
             checks += zero_gradient_checks(name, s["ranks"], base["ranks"], trained, config.precision)
     checks += [prediction_check(name, rank) for name, s in strategies.items() for rank in s["ranks"]]
     # A rank whose peaks hold an earlier strategy's memory (another launcher) has none to compare.
-    setting = allocator_setting(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))[0]
+    # The allocator's settings the ranks ran under (CUDA), which its model's prediction follows.
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config.device == "cuda" else None
+    setting = allocator_setting(alloc_conf or "")[0]
     checks += [peak_prediction_check(name, rank, setting) for name, s in strategies.items() for rank in s["ranks"]
                if "predicted_peaks" in rank and rank.get("peak_bytes") is not None]
     if config.device == "cuda":
@@ -180,8 +182,7 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
         "param_count": sum(param_numels),
         "notes": notes, "headline_notes": headline_notes, "checks": checks, "not_checked": not_checked,
         "strategies": strategies, "versions": versions,
-        # The allocator's settings the ranks ran under (CUDA), which its model's prediction follows.
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config.device == "cuda" else None,
+        "alloc_conf": alloc_conf,
     }
 
 
