@@ -22,6 +22,7 @@ from zerolens.models.model import (
 )
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
 from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
+from zerolens.predict.depths import DepthScaling
 from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device, traced_on
 from zerolens.report.tables import say
 from zerolens.run.config import bucket_elements
@@ -102,7 +103,8 @@ def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cud
     if model_config is None:
         entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"
         return
-    predicted = predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability)
+    # A deep model's trace scaled from shallow ones where they allow (predict/depths.py)
+    predicted = predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability, trace=DepthScaling())
     if "why_not" in predicted:
         entry["peak_not_predicted"] = predicted["why_not"]
         return

@@ -1,0 +1,294 @@
+"""One strategy's traces at four small depths standing for its trace at any depth.
+
+A model of L identical blocks allocates, at each depth, the same storages around its blocks, and
+each block's the same: one more block inserts the same runs of requests at the same places (its
+forward, its backward, its share of set-up and of the optimizer step), while a few sizes grow by the
+same bytes with each block (a backend's flat buffers). Where that holds, the trace at depth L follows
+from small ones: a 70B model of 80 blocks is traced at 2, 3, 4 and 5 blocks in seconds, where its
+own trace takes about 13 s a step on 2 cores (docs/results/cpu-2proc/issue22/scale).
+
+Each request is written as a token that does not name its allocation: an allocation by its action,
+stream and bytes; a free by which live allocation of its stream and bytes it frees, counted from the
+newest and from the oldest (a block's backward frees its forward's activations while the earlier
+blocks' are still alive: the newest of their size, at any depth). The trace at 2 blocks aligned with
+that at 3 (difflib, on the tokens without the frees' counts) gives the runs one block inserts and
+the sizes that change; the trace at 4 gives each free's count at one more block (constant, or on a
+line); the trace at 5 checks the whole: every request, its bytes, stream and the allocation each free
+frees, and the tracker's figures beside the sequence. Where any of it fails, the model is traced at
+its own depth. tests/test_depths.py checks scaled against traced for every strategy it scales.
+
+Not scaled: traces with brackets (ZeRO-1/2's splice: what each rank allocates inside them follows
+from the full model's flat partition), CPU targets (no allocation sequence is recorded), a user's
+own model (kind "user": zerolens cannot build it at another depth).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from zerolens.models.model import ModelConfig
+from zerolens.predict.micro_batches import figures, in_order, on_line, without_workspaces
+from zerolens.predict.peak import rank_outcome, sequence_peaks, traced_rank
+from zerolens.strategies import TrainSettings
+
+# The depths traced: structure from the first two, each free's count from the third, checked on the fourth.
+TRACED_DEPTHS = (2, 3, 4, 5, 6)
+# Models at least this deep are scaled: the five traces hold 20 blocks and five embeddings and heads,
+# more than one trace of a shallower model.
+SCALED_FROM = 24
+
+ALLOCS = ("alloc", "kernel_alloc")
+FREES = ("free", "kernel_free")
+
+
+def depth_of(model_config: ModelConfig) -> int | None:
+    """The model's number of blocks where zerolens builds it at any depth, else None (a user's model)."""
+    return None if model_config.kind == "user" else model_config.num_layers
+
+
+class DepthScaling:
+    """traced_rank (or `inner`, traced_rank's signature: plan's MicroBatchScaling), but a CUDA target's
+    model of at least SCALED_FROM blocks without brackets is traced at TRACED_DEPTHS and its record
+    scaled to its depth (`depth_scaled_from` in the outcome), where the traces allow; else traced whole
+    (`why_not_depth_scaled` in the outcome says why)."""
+
+    def __init__(self, inner=None):
+        self.inner = inner or traced_rank
+        self.shallow: dict[str, dict] = {}  # a shallow trace's arguments -> its record (plan asks many depths)
+
+    def shallow_record(self, name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
+        key = repr((name, model_config, settings, sorted(options.items())))  # repr: an HF config holds dicts
+        if key not in self.shallow:
+            self.shallow[key] = self.inner(name, model_config, settings, **options)[1]
+        return self.shallow[key]
+
+    def __call__(self, name: str, model_config: ModelConfig, settings: TrainSettings, *,
+                 cuda_capability: tuple[int, int] | None = None, brackets: bool = False, **options) -> tuple[dict, dict]:
+        depth = depth_of(model_config)
+        why = None
+        if cuda_capability is not None and not brackets and depth is not None and depth >= SCALED_FROM:
+            records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
+                                              cuda_capability=cuda_capability, **options) for d in TRACED_DEPTHS}
+            record, why = deepened(records, depth)
+            if record is not None:
+                return rank_outcome(record) | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
+        out, record = self.inner(name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets,
+                                 **options)
+        return (out | {"why_not_depth_scaled": why} if why else out), record
+
+
+def tokens(requests: list, raw: dict) -> list[tuple]:
+    """A sequence's requests as tokens: ("alloc" | "kernel_alloc", stream, bytes, bytes before rounding
+    or None, the id where it is a name (the cuBLAS workspaces), else None); ("free" | "kernel_free",
+    stream, bytes, (newest, oldest)): the freed allocation's place among those alive of its stream and
+    bytes, from the newest and from the oldest; a mark as it is."""
+    alive: dict[tuple[int, int], list] = {}
+    key_of: dict = {}
+    out = []
+    for request in in_order(requests):
+        action, ident, size, stream = request
+        if action in ALLOCS:
+            key = key_of[ident] = (stream, size)
+            alive.setdefault(key, []).append(ident)
+            out.append((action, stream, size, raw.get(ident), ident if isinstance(ident, str) else None))
+        elif action in FREES:
+            key = key_of.pop(ident)
+            same = alive[key]
+            place = same.index(ident)
+            same.pop(place)
+            out.append((action, stream, key[1], (len(same) - place, place)))
+        else:
+            out.append(request)
+    return out
+
+
+def match_key(token: tuple) -> tuple:
+    """What the alignment compares: a token without what changes with depth (an allocation's bytes
+    before rounding, a free's counts)."""
+    if token[0] in ALLOCS:
+        return token[:3] + token[4:]
+    if token[0] in FREES:
+        return token[:3]
+    return token
+
+
+def decode(tokens_: list[tuple]) -> list[tuple] | None:
+    """Tokens back to requests, each allocation numbered in order (a name kept), each free the
+    allocation its count names (a free token's counts: ("newest" | "oldest", place), or the
+    (newest, oldest) pair tokens() writes); None where a count names no live allocation."""
+    alive: dict[tuple[int, int], list] = {}
+    out, number = [], 0
+    for token in tokens_:
+        action = token[0]
+        if action in ALLOCS:
+            ident = token[4] if token[4] is not None else number
+            number += 1
+            alive.setdefault((token[1], token[2]), []).append(ident)
+            out.append((action, ident, token[2], token[1]))
+        elif action in FREES:
+            side, place = token[3] if isinstance(token[3][0], str) else ("newest", token[3][0])
+            same = alive.get((token[1], token[2]), [])
+            if not 0 <= place < len(same):
+                return None
+            ident = same.pop(len(same) - 1 - place if side == "newest" else place)
+            out.append((action, ident, token[2] if action == "kernel_free" else 0, token[1]))
+        else:
+            out.append(token)
+    return out
+
+
+@dataclasses.dataclass
+class Structure:
+    """How more blocks change a sequence, from the traces at depths b - 1, b and b + 1: `entries`, in
+    the order of b's tokens, ("base", token at b, token at b + 1) for a token every depth has (bytes,
+    and a free's counts, on a line in the depth, or a count that stays), and ("run", tokens, offset)
+    where one more block inserts a run: `tokens` as inserted at b + 1, and where inside the run that b
+    holds of it (from b - 1) that insertion fell, `offset` (a run of allocations followed by a run of
+    their frees is inserted straddling both: at m blocks more, run[:offset] m times, then the rest m
+    times)."""
+    b: int
+    entries: list[tuple]
+
+
+def inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None, str | None]:
+    """The alignment of `second` (one block deeper) against `first`: a list of ("insert", at in
+    first, tokens) and ("pair", token in first, token in second), or why the two are not one
+    block apart (anything but runs inserted and tokens of the same kind whose bytes differ)."""
+    matcher = difflib.SequenceMatcher(None, [match_key(t) for t in first], [match_key(t) for t in second],
+                                      autojunk=False)
+    out = []
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "replace" and i2 - i1 < j2 - j1:
+            # A buffer that grows with depth beside a run one block inserts: aligned again without bytes
+            inner = difflib.SequenceMatcher(None, [t[:2] for t in first[i1:i2]], [t[:2] for t in second[j1:j2]],
+                                            autojunk=False).get_opcodes()
+            opcodes = [(o, i1 + a1, i1 + a2, j1 + b1, j1 + b2) for o, a1, a2, b1, b2 in inner]
+        else:
+            opcodes = [(op, i1, i2, j1, j2)]
+        for op, i1, i2, j1, j2 in opcodes:
+            if op == "insert":
+                out.append(("insert", i1, j1, second[j1:j2]))
+                continue
+            if op != "equal" and (op != "replace" or i2 - i1 != j2 - j1):
+                return None, "one more block does not only insert requests and change sizes"
+            for x, y in zip(first[i1:i2], second[j1:j2]):
+                if x[0] != y[0] or (x[0] not in ALLOCS + FREES and x != y) or x[1] != y[1]:
+                    return None, "one more block changes a request's kind, stream or mark"
+                out.append(("pair", x, y))
+    return out, None
+
+
+def structure(first: list[tuple], second: list[tuple], third: list[tuple], b: int) -> tuple[Structure | None, str | None]:
+    """The Structure of the tokens at depths b - 1, b, b + 1, or why there is none: the runs one more
+    block inserts must be the same from b - 1 to b as from b to b + 1."""
+    earlier, why = inserted_runs(first, second)
+    if earlier is None:
+        return None, why
+    later, why = inserted_runs(second, third)
+    if later is None:
+        return None, why
+    held = [(j1, run) for kind, _, j1, run in (e for e in earlier if e[0] == "insert")]
+    runs = [e for e in later if e[0] == "insert"]
+    if len(held) != len(runs) or any(len(before) != len(run[3]) for (_, before), run in zip(held, runs)):
+        return None, "one more block inserts different runs at different depths"
+    entries, k = [], 0
+    for entry in later:
+        if entry[0] == "pair":
+            entries.append(("base", entry[1], entry[2]))
+            continue
+        start, before = held[k]
+        offset = entry[1] - start
+        if not 0 <= offset <= len(entry[3]):
+            return None, "one more block inserts its runs at different places at different depths"
+        entries.append(("run", entry[3], offset))
+        k += 1
+    return Structure(b, entries), None
+
+
+def laid_out(shape: Structure, more: int) -> list[tuple[tuple, tuple]]:
+    """The tokens at depth b + `more` (at least 1), each with its slot: each run inserted as more blocks
+    insert it (`run[:offset]` `more` times, then the rest), each base token's bytes on their line; a
+    free's count as at b + 1, to be fitted (fit_counts). A slot names where a token comes from:
+    (entry,) for a base token, (entry, copy, index in the run) for a run's."""
+    out = []
+    for e, entry in enumerate(shape.entries):
+        if entry[0] == "run":
+            run, offset = entry[1], entry[2]
+            out += [(run[i], (e, copy, i)) for copy in range(more) for i in range(offset)]
+            out += [(run[i], (e, copy, i)) for copy in range(more) for i in range(offset, len(run))]
+            continue
+        _, x, y = entry
+        if y[0] in ALLOCS + FREES:  # bytes on their line (a free's are its allocation's)
+            y = y[:2] + (x[2] + more * (y[2] - x[2]),) + y[3:]
+        if y[0] in ALLOCS and y[3] is not None:
+            y = y[:3] + (x[3] + more * (y[3] - x[3]),) + y[4:]
+        out.append((y, (e,)))
+    return out
+
+
+def fit_counts(shape: Structure, one: list[tuple], two: list[tuple]) -> dict | None:
+    """Each free's count (its place from the newest among the live allocations of its stream and
+    bytes) as a line in the blocks more than b and the copy of its run, from the tokens at b + 1
+    (`one`) and b + 2 (`two`): slot -> (count at one block more and the first copy, per block, per
+    copy). None where the tokens are not laid out as the structure says."""
+    observed: dict[tuple, dict] = {}
+    for more, seen in ((1, one), (2, two)):
+        layout = laid_out(shape, more)
+        if [match_key(t) for t, _ in layout] != [match_key(t) for t in seen]:
+            return None
+        for (token, slot), actual in zip(layout, seen):
+            if token[0] in FREES:
+                copy = slot[1] if len(slot) > 1 else 0
+                observed.setdefault(slot[:1] + slot[2:], {})[(more, copy)] = actual[3][0]
+    lines = {}
+    for slot, counts in observed.items():
+        per_block = counts[(2, 0)] - counts[(1, 0)]
+        lines[slot] = (counts[(1, 0)], per_block, counts.get((2, 1), counts[(2, 0)]) - counts[(2, 0)])
+    return lines
+
+
+def extended(shape: Structure, more: int, lines: dict) -> list[tuple]:
+    """The tokens at depth b + `more`, each free's count on its fitted line."""
+    out = []
+    for token, slot in laid_out(shape, more):
+        if token[0] in FREES:
+            first, per_block, per_copy = lines[slot[:1] + slot[2:]]
+            copy = slot[1] if len(slot) > 1 else 0
+            token = token[:3] + (("newest", first + (more - 1) * per_block + copy * per_copy),)
+        out.append(token)
+    return out
+
+
+def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | None]:
+    """The record of a trace at `depth` from records at the four TRACED_DEPTHS, or None and why not."""
+    if any(record.get("requests") is None or record.get("brackets") for record in records.values()):
+        return None, "the traces record no allocation sequence"
+    a, b, c, d, e = sorted(records)
+    seq = {n: tokens(records[n]["requests"], records[n]["raw"]) for n in (a, b, c, d, e)}
+    shape, why = structure(seq[a], seq[b], seq[c], b)
+    if shape is None:
+        return None, why
+    lines = fit_counts(shape, seq[c], seq[d])
+    if lines is None:
+        return None, f"the trace at depth {d} is not one more block of the runs the traces at {a}, {b}, {c} show"
+    if decode(extended(shape, e - b, lines)) != decode(seq[e]):
+        return None, f"the trace at depth {e} is not what those at {a} to {d} make of it"
+    counted = {n: figures(records[n]) for n in (c, d, e)}
+    for figure in ("beside", "held_beside", "batch_bytes"):
+        if on_line(counted[c][figure], counted[d][figure], c, d, e) != counted[e][figure]:
+            return None, f"the tracker's {figure.replace('_', ' ')} are not on a line in the depth"
+    tokens_at_depth = extended(shape, depth - b, lines)
+    requests = decode(tokens_at_depth)
+    if requests is None:
+        return None, "a free's count names no live allocation at the model's depth"
+    raw = {}
+    for token, request in zip(tokens_at_depth, requests):
+        if token[0] in ALLOCS and token[3] is not None:
+            raw[request[1]] = token[3]
+    beside = on_line(counted[c], counted[d], c, d, depth)
+    if beside is None or any(size < 0 for _, _, size, _ in requests if isinstance(size, int)):
+        return None, "a size on the line in the depth is negative"
+    peaks, end = sequence_peaks(without_workspaces(requests))
+    return records[e] | {"requests": requests, "raw": raw, "inside": {}, "batch_bytes": beside["batch_bytes"],
+                         "phase_peaks": {key: peaks[key] + beside["beside"][key] for key in peaks},
+                         "held": end + beside["held_beside"], "depth_scaled_from": sorted(records)}, None

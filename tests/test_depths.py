@@ -1,0 +1,87 @@
+"""A deep model's trace scaled from shallow ones (predict/depths.py): equal to its own trace, request
+for request, where the shallow traces allow; traced whole where they do not."""
+import dataclasses
+
+import pytest
+
+from zerolens.models.hf import model_config_fields
+from zerolens.models.model import PRESETS, ModelConfig
+from zerolens.predict import depths
+from zerolens.predict.peak import rank_outcome, traced_rank
+from zerolens.strategies import TrainSettings
+
+H200 = (9, 0)
+
+
+def llama_tiny(depth: int) -> ModelConfig:
+    return ModelConfig(**model_config_fields("examples/hf/llama-tiny.json", depth=depth, seq_len=64))
+
+
+def shallow_records(name, model_config, settings):
+    return {d: traced_rank(name, dataclasses.replace(model_config, num_layers=d), settings, cuda_capability=H200)[1]
+            for d in depths.TRACED_DEPTHS}
+
+
+def test_tokens_name_no_allocation_and_decode_back_to_the_same_pairing():
+    # Two blocks of one size alive; the older freed first, then a kernel's buffer inside an operation.
+    requests = [("alloc", 7, 1024, 0), ("alloc", 9, 1024, 0), ("phase", (0, "step"), None, 0), ("free", 7, 0, 0),
+                ("kernel_alloc", 11, 512, 1), ("kernel_free", 11, 512, 1), ("alloc", "cublas-forward-0", 4096, 0),
+                ("free", 9, 0, 0)]
+    written = depths.tokens(requests, {7: 1000, 9: 1000})
+    assert written[3] == ("free", 0, 1024, (1, 0))  # one newer alive, none older
+    assert depths.decode(written) == [("alloc", 0, 1024, 0), ("alloc", 1, 1024, 0), ("phase", (0, "step"), None, 0),
+                                      ("free", 0, 0, 0), ("kernel_alloc", 2, 512, 1), ("kernel_free", 2, 512, 1),
+                                      ("alloc", "cublas-forward-0", 4096, 0), ("free", 1, 0, 0)]
+    assert depths.decode([("free", 0, 1024, ("newest", 0))]) is None  # nothing of that size alive
+
+
+def straddling(blocks: int) -> list[tuple]:
+    """A run of allocations, one per block, then their frees, oldest first: what one more block inserts
+    straddles the two runs."""
+    return ([("alloc", 0, 512, 4, None)] * blocks + [("alloc", 0, 2048, 2048, None)]
+            + [("free", 0, 512, (blocks - 1 - i, 0)) for i in range(blocks)] + [("free", 0, 2048, (0, 0))])
+
+
+def test_a_run_inserted_across_two_runs_grows_both():
+    shape, why = depths.structure(straddling(2), straddling(3), straddling(4), 3)
+    assert why is None
+    lines = depths.fit_counts(shape, straddling(4), straddling(5))
+    for blocks in (6, 9, 40):
+        assert depths.decode(depths.extended(shape, blocks - 3, lines)) == depths.decode(straddling(blocks))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_scaled_equals_traced_request_for_request(name):
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
+    record, why = depths.deepened(shallow_records(name, llama_tiny(2), settings), 9)
+    assert why is None
+    traced = traced_rank(name, llama_tiny(9), settings, cuda_capability=H200)[1]
+    assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
+    assert record["phase_peaks"] == traced["phase_peaks"] and record["held"] == traced["held"]
+    assert rank_outcome(record) == rank_outcome(traced)  # peaks, reserved peaks and smallest caps alike
+
+
+@pytest.mark.slow
+def test_a_model_whose_blocks_do_not_repeat_alike_is_not_scaled():
+    # gpt-tiny under DDP: one bucket holds every block's gradients, so one more block changes it
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
+    record, why = depths.deepened(shallow_records("ddp", PRESETS["gpt-tiny"], settings), 9)
+    assert record is None and why
+
+
+def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
+    asked = []
+
+    def inner(name, model_config, settings, **options):
+        asked.append((model_config.num_layers, options.get("brackets", False)))
+        return {"traced": True}, {}
+
+    scaling = depths.DepthScaling(inner)
+    settings = TrainSettings(precision="bf16", micro_batch=1, world_size=2)
+    deep = dataclasses.replace(PRESETS["gpt-tiny"], num_layers=depths.SCALED_FROM)
+    assert scaling("zero2", deep, settings, cuda_capability=H200, brackets=True)[0] == {"traced": True}
+    assert scaling("ddp", dataclasses.replace(deep, num_layers=depths.SCALED_FROM - 1), settings,
+                   cuda_capability=H200)[0] == {"traced": True}
+    assert scaling("ddp", deep, settings, cuda_capability=None)[0] == {"traced": True}  # a CPU target
+    assert asked == [(depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False), (depths.SCALED_FROM, False)]
