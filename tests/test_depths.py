@@ -47,7 +47,7 @@ def test_a_run_inserted_across_two_runs_grows_both():
     assert why is None
     lines = depths.fit_counts(shape, straddling(4), straddling(5))
     for blocks in (6, 9, 40):
-        assert depths.decode(depths.extended(shape, blocks - 3, lines)) == depths.decode(straddling(blocks))
+        assert depths.extended_by_counts(shape, blocks - 3, lines) == depths.decode(straddling(blocks))
 
 
 @pytest.mark.slow

@@ -108,6 +108,10 @@ def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cud
     if "why_not" in predicted:
         entry["peak_not_predicted"] = predicted["why_not"]
         return
+    # Whether the trace was scaled from shallow ones (its depths), or why not where it was tried
+    scaled = {k: predicted["ranks"][0][k] for k in ("depth_scaled_from", "why_not_depth_scaled")
+              if k in predicted["ranks"][0]}
+    entry.update(scaled)
     for rank, peaks in zip(entry["ranks"], predicted["ranks"]):
         rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
                                            "peak_bytes", "cublas_workspace_bytes")})
@@ -190,6 +194,8 @@ def render_estimate(result: dict) -> list:
                   f"runs the trace's allocations under ({setting.replace('_', ' ')}{unmodelled}) plus what the "
                   f"process holds outside it ({outside_allocator_source()})" if cuda else "")
     not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
+    scaled = [name for name, e in entries.items() if "depth_scaled_from" in e]
+    depth_scale = next((e["depth_scaled_from"] for e in entries.values() if "depth_scaled_from" in e), [])
     return lines + [
         f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0, "
         f"the rank holding the most gradients{' and the rank that needs the most' if cuda else ''}; gradients "
@@ -203,6 +209,10 @@ def render_estimate(result: dict) -> list:
                         *(["needs"] if cuda else []), "paper", f"paper {paper_label}", "DS est."], rows,
                        right=set(range(1, 13 if cuda else 12))),
         *(f"No peak for {line}." for line in not_predicted),
+        *([f"{', '.join(scaled)}: traced at {', '.join(map(str, depth_scale))} blocks and scaled to the model's "
+           "depth, every allocation checked on the deepest of them (docs/method.md)."] if scaled else []),
+        *(f"{name}: traced at the model's depth, not scaled from shallow traces ({e['why_not_depth_scaled']})."
+          for name, e in entries.items() if "why_not_depth_scaled" in e),
         *(f"No \"needs\" for {name} rank {r['rank']}: {r['allocator_not_replayed']}." for name, _, r in shown
           if "allocator_not_replayed" in r)]
 

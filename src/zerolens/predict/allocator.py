@@ -570,10 +570,20 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     return high * granularity
 
 
+# The smallest cap is searched to within 1/CAP_PRECISION of the reserved peak, in whole segments of 2 MiB:
+# 2 MiB up to 8 GiB; a 70B model's 1.7 TB under DDP takes 9 replays of its 80,000 requests, not 17.
+CAP_PRECISION = 4096
+
+
+def cap_granularity(reserved_peak: int) -> int:
+    """The step of smallest_cap's search for a run that reserves `reserved_peak` with no cap."""
+    return max(1, reserved_peak // CAP_PRECISION // SMALL_BUFFER) * SMALL_BUFFER
+
+
 def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str | None = None) -> dict[str, dict[str, int]]:
     """What one rank's requests (a peak trace's, predict/peak.py) need from the caching allocator:
     `reserved_peak_bytes`, the most it reserves with no cap, `min_allocator_cap_bytes`, the smallest
-    cap under which they run, and `allocated_peak_bytes`, the allocated peak as the allocator counts
+    cap under which they run (to within cap_granularity), and `allocated_peak_bytes`, the allocated peak as the allocator counts
     it (torch.cuda.max_memory_allocated: a block it hands out unsplit, with up to 1 MiB more than
     asked, counts whole), with `allocated_phase_peaks`, that of each phase the requests mark
     (("phase", (step, phase), ...): its highest over the steps), each per allocator setting:
@@ -593,7 +603,8 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
         for (_, phase), peak in uncapped.phase_peaks.items():
             phases[phase] = max(phases.get(phase, 0), peak)
         out["allocated_phase_peaks"][name] = phases
-        out["min_allocator_cap_bytes"][name] = smallest_cap(requests, uncapped=uncapped, **options)
+        out["min_allocator_cap_bytes"][name] = smallest_cap(requests, uncapped=uncapped, **options,
+                                                             granularity=cap_granularity(uncapped.reserved_peak))
     return out
 
 

@@ -1,25 +1,29 @@
-"""One strategy's traces at four small depths standing for its trace at any depth.
+"""One strategy's traces at five small depths standing for its trace at any depth.
 
 A model of L identical blocks allocates, at each depth, the same storages around its blocks, and
 each block's the same: one more block inserts the same runs of requests at the same places (its
 forward, its backward, its share of set-up and of the optimizer step), while a few sizes grow by the
 same bytes with each block (a backend's flat buffers). Where that holds, the trace at depth L follows
-from small ones: a 70B model of 80 blocks is traced at 2, 3, 4 and 5 blocks in seconds, where its
-own trace takes about 13 s a step on 2 cores (docs/results/cpu-2proc/issue22/scale).
+from shallow ones: Llama-2-70B's 80 blocks from traces at 2 to 6 blocks, about 1.5 s each on 2 cores,
+where its own trace takes about 13 s a step.
 
 Each request is written as a token that does not name its allocation: an allocation by its action,
-stream and bytes; a free by which live allocation of its stream and bytes it frees, counted from the
-newest and from the oldest (a block's backward frees its forward's activations while the earlier
-blocks' are still alive: the newest of their size, at any depth). The trace at 2 blocks aligned with
-that at 3 (difflib, on the tokens without the frees' counts) gives the runs one block inserts and
-the sizes that change; the trace at 4 gives each free's count at one more block (constant, or on a
-line); the trace at 5 checks the whole: every request, its bytes, stream and the allocation each free
-frees, and the tracker's figures beside the sequence. Where any of it fails, the model is traced at
-its own depth. tests/test_depths.py checks scaled against traced for every strategy it scales.
+stream and bytes; a free by its allocation's place among those alive of its stream and bytes,
+counted from the newest and from the oldest (a block's backward frees its forward's activations
+while the earlier blocks' are alive: the newest of their size, at any depth). The traces at 2, 3 and
+4 blocks, aligned (difflib, on the tokens without what changes with depth), give the runs one more
+block inserts, where (a run of allocations followed by their frees is inserted straddling the two),
+and the bytes that grow; those at 4 and 5 give each free's count as a line in the depth and in the
+copy of its run; the trace at 6 checks the whole: every request, its bytes, its stream and the
+allocation each free frees, and the tracker's figures beside the sequence. Where any of it fails, the
+model is traced at its own depth. tests/test_depths.py checks scaled against traced.
 
-Not scaled: traces with brackets (ZeRO-1/2's splice: what each rank allocates inside them follows
-from the full model's flat partition), CPU targets (no allocation sequence is recorded), a user's
-own model (kind "user": zerolens cannot build it at another depth).
+Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies.
+Not: DeepSpeed's stages, whose flat buffers are cut in pieces that do not repeat per block (stage 0)
+and whose ZeRO-3 prefetch keeps a window of blocks alive (its frees' counts stop growing); traces with
+brackets (ZeRO-1/2's splice: what each rank allocates inside them follows from the whole model's
+flat partition); CPU targets (no allocation sequence is recorded); a user's own model (kind "user":
+zerolens cannot build it at another depth); models below SCALED_FROM blocks.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from zerolens.predict.micro_batches import figures, in_order, on_line, without_w
 from zerolens.predict.peak import rank_outcome, sequence_peaks, traced_rank
 from zerolens.strategies import TrainSettings
 
-# The depths traced: structure from the first two, each free's count from the third, checked on the fourth.
+# The depths traced: the runs from the first three, each free's count from the third and fourth, checked on the fifth.
 TRACED_DEPTHS = (2, 3, 4, 5, 6)
 # Models at least this deep are scaled: the five traces hold 20 blocks and five embeddings and heads,
 # more than one trace of a shallower model.
@@ -240,15 +244,13 @@ def fit_counts(shape: Structure, one: list[tuple], two: list[tuple]) -> dict | N
             if token[0] in FREES:
                 copy = slot[1] if len(slot) > 1 else 0
                 observed.setdefault(slot[:1] + slot[2:], {})[(more, copy)] = actual[3][0]
-    lines = {}
-    for slot, counts in observed.items():
-        per_block = counts[(2, 0)] - counts[(1, 0)]
-        lines[slot] = (counts[(1, 0)], per_block, counts.get((2, 1), counts[(2, 0)]) - counts[(2, 0)])
-    return lines
+    return {slot: (counts[(1, 0)], counts[(2, 0)] - counts[(1, 0)],
+                   counts.get((2, 1), counts[(2, 0)]) - counts[(2, 0)]) for slot, counts in observed.items()}
 
 
-def extended(shape: Structure, more: int, lines: dict) -> list[tuple]:
-    """The tokens at depth b + `more`, each free's count on its fitted line."""
+def extended_by_counts(shape: Structure, more: int, lines: dict) -> list[tuple] | None:
+    """The requests at depth b + `more`, each free the allocation its count on its fitted line
+    (fit_counts) names; None where that is no live one."""
     out = []
     for token, slot in laid_out(shape, more):
         if token[0] in FREES:
@@ -256,11 +258,11 @@ def extended(shape: Structure, more: int, lines: dict) -> list[tuple]:
             copy = slot[1] if len(slot) > 1 else 0
             token = token[:3] + (("newest", first + (more - 1) * per_block + copy * per_copy),)
         out.append(token)
-    return out
+    return decode(out)
 
 
 def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | None]:
-    """The record of a trace at `depth` from records at the four TRACED_DEPTHS, or None and why not."""
+    """The record of a trace at `depth` from records at the five TRACED_DEPTHS, or None and why not."""
     if any(record.get("requests") is None or record.get("brackets") for record in records.values()):
         return None, "the traces record no allocation sequence"
     a, b, c, d, e = sorted(records)
@@ -269,22 +271,18 @@ def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | N
     if shape is None:
         return None, why
     lines = fit_counts(shape, seq[c], seq[d])
-    if lines is None:
-        return None, f"the trace at depth {d} is not one more block of the runs the traces at {a}, {b}, {c} show"
-    if decode(extended(shape, e - b, lines)) != decode(seq[e]):
+    checked = None if lines is None else extended_by_counts(shape, e - b, lines)
+    if checked != decode(seq[e]):
         return None, f"the trace at depth {e} is not what those at {a} to {d} make of it"
     counted = {n: figures(records[n]) for n in (c, d, e)}
     for figure in ("beside", "held_beside", "batch_bytes"):
         if on_line(counted[c][figure], counted[d][figure], c, d, e) != counted[e][figure]:
             return None, f"the tracker's {figure.replace('_', ' ')} are not on a line in the depth"
-    tokens_at_depth = extended(shape, depth - b, lines)
-    requests = decode(tokens_at_depth)
+    requests = extended_by_counts(shape, depth - b, lines)
     if requests is None:
         return None, "a free's count names no live allocation at the model's depth"
-    raw = {}
-    for token, request in zip(tokens_at_depth, requests):
-        if token[0] in ALLOCS and token[3] is not None:
-            raw[request[1]] = token[3]
+    raw = {request[1]: token[3] for (token, _), request in zip(laid_out(shape, depth - b), requests)
+           if token[0] in ALLOCS and token[3] is not None}
     beside = on_line(counted[c], counted[d], c, d, depth)
     if beside is None or any(size < 0 for _, _, size, _ in requests if isinstance(size, int)):
         return None, "a size on the line in the depth is negative"
