@@ -124,11 +124,20 @@ def test_a_model_without_a_batch_function_gets_no_peak(capsys):
     (["--batch", "zerolens_test_models:tiny_batch"], "--batch goes with --model"),
     (["--params", "1e9", "--activation-checkpointing"], "need a model"),
     (["--device", "cpu", "--precision", "fp16"], "fp16 is not supported on CPU"),
+    (["--preset", "gpt-tiny", "--jobs", "0"], "--jobs must be at least 1"),
 ])
 def test_peak_flags_that_cannot_work_are_user_errors(argv, message, capsys):
     assert main(["estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_strategies_predicted_in_parallel_processes_give_the_same_figures(capsys):
+    argv = ("--preset", "gpt-tiny", "--strategies", "ddp,zero2,fsdp2", "--nproc", "2", "--micro-batch", "2")
+    alone = run_json(capsys, *argv, "--jobs", "1")
+    together = run_json(capsys, *argv, "--jobs", "2")
+    assert {k: v for k, v in together.items() if k != "seconds"} == {k: v for k, v in alone.items() if k != "seconds"}
 
 
 def test_where_the_peaks_were_traced_is_said(capsys):

@@ -12,6 +12,7 @@ import time
 import torch
 from torch import nn
 
+from zerolens.commands.workers import InProcess, default_jobs, end_pool, pool
 from zerolens.errors import UserError
 from zerolens.models.model import (
     MIXED_WEIGHTS,
@@ -21,8 +22,8 @@ from zerolens.models.model import (
     weight_bytes_of,
 )
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
-from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
 from zerolens.predict.depths import DepthScaling
+from zerolens.predict.formulas import deepspeed_estimator, paper_model_states
 from zerolens.predict.peak import predict_or_why_not, target_capability, trace_caveat, trace_device, traced_on
 from zerolens.report.tables import say
 from zerolens.run.config import bucket_elements
@@ -49,14 +50,15 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
              param_shapes: list[tuple[int, ...]] | None = None, params: float | None = None,
              model_config=None, micro_batch: int = 8, cuda_capability: tuple[int, int] | None = None,
              fused_adam: bool = False, gradient_clipping: float = 1.0, weight_bytes: int = 4,
-             trainable: list[bool] | None = None, grad_accum: int = 1) -> dict:
+             trainable: list[bool] | None = None, grad_accum: int = 1, jobs: int = 1) -> dict:
     """Per-strategy prediction. With parameter shapes: DDP's, DeepSpeed's and FSDP2's real layout per
     rank. With only a count: the ZeRO paper's per-component formulas (16-bit weights and gradients).
     With `model_config` (a model zerolens can build and feed) also each rank's peak per phase
     (predict/peak.py) for `micro_batch` samples per rank, `grad_accum` micro-batches per optimizer step,
     on CUDA (`cuda_capability`) or the CPU.
     `weight_bytes`: the element size of the weights as the model is built (models.model.weight_bytes);
-    `trainable`: which parameters train (models.model.trainable_flags; None: all)."""
+    `trainable`: which parameters train (models.model.trainable_flags; None: all); `jobs`: processes
+    that predict the strategies' peaks in parallel (commands/workers.py)."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
     out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
@@ -85,11 +87,12 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                                              + r["optimizer_state_bytes"] + r["comm_buffer_bytes_after_backward"])
                 ranks.append(r)
             entry["ranks"] = ranks
-            add_peaks(entry, name, model_config, TrainSettings(
-                precision=precision, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum,
-                reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam, gradient_clipping=gradient_clipping),
-                cuda_capability)
         out["strategies"][name] = entry
+    if param_numels is not None:
+        settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=micro_batch,
+                                 grad_accum=grad_accum, reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam,
+                                 gradient_clipping=gradient_clipping)
+        add_peaks(out["strategies"], model_config, settings, cuda_capability, jobs)
     out |= {"micro_batch": micro_batch, "grad_accum": grad_accum,
             "device": "cpu" if cuda_capability is None else "cuda",
             "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability)),
@@ -98,20 +101,39 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     return out
 
 
-def add_peaks(entry: dict, name: str, model_config, settings: TrainSettings, cuda_capability) -> None:
-    """Each rank's predicted peaks into `entry`, or why there are none (`peak_not_predicted`)."""
+def add_peaks(entries: dict, model_config, settings: TrainSettings, cuda_capability, jobs: int) -> None:
+    """Each strategy's ranks' predicted peaks into its entry, or why there are none (`peak_not_predicted`),
+    the strategies predicted by `jobs` processes."""
     if model_config is None:
-        entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"
+        for entry in entries.values():
+            entry["peak_not_predicted"] = ("--model without --batch: zerolens cannot feed it (give --batch to "
+                                           "predict peaks)")
         return
-    # A deep model's trace scaled from shallow ones where they allow (predict/depths.py)
-    predicted = predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability, trace=DepthScaling())
+    with pool(min(jobs, len(entries))) if jobs > 1 and len(entries) > 1 else InProcess() as executor:
+        try:
+            futures = {name: executor.submit(predicted_peaks, name, model_config, settings, cuda_capability)
+                       for name in entries}
+            predicted = {name: future.result() for name, future in futures.items()}
+        except BaseException:  # an interrupt among them: no trace may outlive the command
+            end_pool(executor)
+            raise
+    for name, entry in entries.items():
+        add_strategy_peaks(entry, name, predicted[name], cuda_capability)
+
+
+def predicted_peaks(name: str, model_config, settings: TrainSettings, cuda_capability) -> dict:
+    """predict_or_why_not, a deep model's trace scaled from shallow ones where they allow (predict/depths.py)."""
+    return predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability, trace=DepthScaling())
+
+
+def add_strategy_peaks(entry: dict, name: str, predicted: dict, cuda_capability) -> None:
+    """One strategy's predicted peaks (predict_or_why_not's) into its entry."""
     if "why_not" in predicted:
         entry["peak_not_predicted"] = predicted["why_not"]
         return
     # Whether the trace was scaled from shallow ones (its depths), or why not where it was tried
-    scaled = {k: predicted["ranks"][0][k] for k in ("depth_scaled_from", "why_not_depth_scaled")
-              if k in predicted["ranks"][0]}
-    entry.update(scaled)
+    entry.update({k: predicted["ranks"][0][k] for k in ("depth_scaled_from", "why_not_depth_scaled")
+                  if k in predicted["ranks"][0]})
     for rank, peaks in zip(entry["ranks"], predicted["ranks"]):
         rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
                                            "peak_bytes", "cublas_workspace_bytes")})
@@ -263,6 +285,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="what the peaks are predicted for (default cuda: the visible GPU's cuBLAS workspaces, "
                         "else compute capability 9.0's)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes predicting the strategies' peaks in parallel (default: cores, at most 4, for a "
+                        "model of 1e9 parameters or more; 1 below, where starting them costs more than they save)")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     p.set_defaults(func=command, compile=False)
 
@@ -294,6 +319,8 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"--micro-batch must be at least 1, got {args.micro_batch}")
     if args.grad_accum < 1:
         raise UserError(f"--grad-accum must be at least 1, got {args.grad_accum}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {args.jobs}")
     if args.params is not None and (args.batch or args.seq_len or args.activation_checkpointing or
                                     any(v is not None for v in (args.width, args.depth, args.heads))):
         raise UserError("--batch/--width/--depth/--heads/--seq-len/--activation-checkpointing need a model "
@@ -326,7 +353,8 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,
                           model_config=model_config, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                           cuda_capability=target_capability(args.device), fused_adam=args.fused_adam,
-                          gradient_clipping=args.gradient_clipping, weight_bytes=weights, trainable=trainable)
+                          gradient_clipping=args.gradient_clipping, weight_bytes=weights, trainable=trainable,
+                          jobs=args.jobs or (default_jobs() if shapes and sum(map(math.prod, shapes)) >= 1e9 else 1))
     except ValueError as e:  # e.g. a model FSDP2 cannot shard
         raise UserError(str(e)) from None
     result["seconds"] = round(time.perf_counter() - started, 1)  # how long the prediction took

@@ -15,18 +15,15 @@ runs about one more forward per step), then the bytes each rank sends per sample
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import multiprocessing
-import os
 import re
 import shlex
-import signal
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from zerolens.commands.workers import InProcess, default_jobs, end_pool, pool
 from zerolens.errors import UserError
 from zerolens.models.model import CHECKPOINTABLE_KINDS, parameter_shapes
 from zerolens.predict.peak import target_capability, trace_caveat, trace_device, traced_on
@@ -216,40 +213,6 @@ def cost_key(row: dict) -> tuple:
     return (row["barely"], row["checkpointing"], per_sample is None, per_sample or 0, row["needs_bytes"])
 
 
-def pool(jobs: int) -> ProcessPoolExecutor:
-    # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=leave_interrupts_to_the_command)
-
-
-def leave_interrupts_to_the_command() -> None:
-    """A pool worker ignores Ctrl-C, which a terminal sends to every process of the command's group: the
-    `zerolens` process takes it and ends the workers (end_pool), without a traceback from each."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def end_pool(executor) -> None:
-    """The pool's workers killed, their traces unfinished: plan was interrupted (SIGINT or SIGTERM), and
-    a shutdown that waited would wait for every trace under way, minutes on a large model. Their
-    futures then fail, so that the depth searches' threads end too."""
-    if not isinstance(executor, ProcessPoolExecutor):
-        return
-    kill = getattr(executor, "kill_workers", None)  # Python 3.14
-    if kill is not None:
-        kill()
-    else:  # before 3.14 the executor keeps its processes in _processes, and has no public way to end them
-        for process in list((getattr(executor, "_processes", None) or {}).values()):
-            with contextlib.suppress(OSError):
-                process.kill()
-    executor.shutdown(wait=False, cancel_futures=True)
-    # The executor's manager thread closes its wake-up pipe as it ends, with no lock against the exit hook
-    # (concurrent.futures.process._python_exit) writing to it: an interrupted plan now and then ended
-    # "OSError: [Errno 9] Bad file descriptor" after its last line. The workers are dead; it ends at once.
-    manager = getattr(executor, "_executor_manager_thread", None)
-    if manager is not None:
-        manager.join(timeout=5)
-
-
 def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_bucket_sizes: list[int],
          cuda_capability: tuple[int, int], jobs: int = 1, depth_search: bool = True, progress=None) -> dict:
     """Every candidate of the grid predicted (strategies x checkpointing x bucket sizes, micro-batches
@@ -258,8 +221,8 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     params = sum(s.numel() for s in parameter_shapes(config.model))
     grid = [(name, ckpt, bucket) for name in config.strategies for ckpt in checkpointing_options(config)
             for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
-    with pool(jobs) if jobs > 1 else _InProcess() as executor, \
-            ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else _InProcess() as searches:
+    with pool(jobs) if jobs > 1 else InProcess() as executor, \
+            ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else InProcess() as searches:
         try:
             if progress:
                 progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
@@ -351,27 +314,6 @@ def micro_batch_walk(config: RunConfig, element: tuple, micro_batches: list[int]
         if "why_not" in peak or peak["needs_bytes"] > memory:
             break
     return walked
-
-
-class _InProcess:
-    """An executor that runs each call at once, in this process (jobs=1)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def submit(self, fn, *args):
-        from concurrent.futures import Future
-        future = Future()
-        future.set_result(fn(*args))
-        return future
-
-
-def default_jobs() -> int:
-    """Tracing processes: one per core, at most 4 (each holds a torch of a few hundred MiB)."""
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 def bucket_text(size: int | None) -> str:

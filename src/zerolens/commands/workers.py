@@ -1,0 +1,65 @@
+"""Processes that trace in parallel, for the commands that predict many traces (plan, estimate):
+a pool of fresh interpreters, ended at once when the command is interrupted."""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from concurrent.futures import Future, ProcessPoolExecutor
+
+
+def pool(jobs: int) -> ProcessPoolExecutor:
+    # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=leave_interrupts_to_the_command)
+
+
+def leave_interrupts_to_the_command() -> None:
+    """A pool worker ignores Ctrl-C, which a terminal sends to every process of the command's group: the
+    `zerolens` process takes it and ends the workers (end_pool), without a traceback from each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def end_pool(executor) -> None:
+    """The pool's workers killed, their traces unfinished: the command was interrupted (SIGINT or SIGTERM), and
+    a shutdown that waited would wait for every trace under way, minutes on a large model. Their
+    futures then fail, so that plan's depth searches' threads end too."""
+    if not isinstance(executor, ProcessPoolExecutor):
+        return
+    kill = getattr(executor, "kill_workers", None)  # Python 3.14
+    if kill is not None:
+        kill()
+    else:  # before 3.14 the executor keeps its processes in _processes, and has no public way to end them
+        for process in list((getattr(executor, "_processes", None) or {}).values()):
+            with contextlib.suppress(OSError):
+                process.kill()
+    executor.shutdown(wait=False, cancel_futures=True)
+    # The executor's manager thread closes its wake-up pipe as it ends, with no lock against the exit hook
+    # (concurrent.futures.process._python_exit) writing to it: an interrupted plan now and then ended
+    # "OSError: [Errno 9] Bad file descriptor" after its last line. The workers are dead; it ends at once.
+    manager = getattr(executor, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=5)
+
+
+class InProcess:
+    """An executor that runs each call at once, in this process (jobs=1)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def default_jobs() -> int:
+    """Tracing processes: one per core, at most 4 (each holds a torch of a few hundred MiB)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
