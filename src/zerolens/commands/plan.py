@@ -393,7 +393,8 @@ def check_candidates(config: RunConfig, result: dict, top: int, out, command: st
     """Short benches (one warm-up step, two timed) of the `top` best fitting candidates, each twice:
     the caching allocator capped at the candidate's predicted smallest cap (it should run) and 1% below
     it (it should run out of memory). Per candidate: whether each ran, the measured and predicted
-    peaks, the step time. A rank that runs out of memory is a result; any other failure ends the check."""
+    peaks, the step time; where it ran out of memory, what the launcher said of it (the rank, phase, step
+    and bytes asked). A rank that runs out of memory is a result; any other failure ends the check."""
     from zerolens.run.folder import new_run_folder
     from zerolens.run.jobs import run_job
     from zerolens.run.launch import OUT_OF_MEMORY, WorkersFailed
@@ -415,6 +416,8 @@ def check_candidates(config: RunConfig, result: dict, top: int, out, command: st
                 if OUT_OF_MEMORY not in str(e):
                     raise
                 entry[f"runs_{name}"] = False
+                # where it ran out and what it asked for: how far the prediction is from running
+                entry[f"out_of_memory_{name}"] = " ".join(str(e).split())
                 continue
             entry[f"runs_{name}"] = True
             if name == "at_cap":
