@@ -507,3 +507,35 @@ def test_under_accumulation_the_cublas_workspaces_are_allocated_once():
     workspaces = [r[1] for r in plain_requests(record["requests"])
                   if r[0] == "alloc" and str(r[1]).startswith(WORKSPACE_ID)]
     assert workspaces and len(workspaces) == len(set(workspaces))
+
+
+@pytest.mark.parametrize("rows, n", [(10, 4), (5, 8), (64, 512), (7, 7)])
+def test_fsdp2s_shards_made_when_read_are_torch_chunks_views(rows, n):
+    import torch
+
+    from zerolens.strategies.fsdp2 import ChunksWhenRead
+    tensor = torch.zeros(rows, 3)
+    chunks = list(torch.chunk(tensor, n))
+    read = ChunksWhenRead(tensor, n, 0)
+    assert len(read) == n
+    for i in range(n):
+        if i < len(chunks):
+            assert (read[i].shape, read[i].stride(), read[i].storage_offset()) == \
+                (chunks[i].shape, chunks[i].stride(), chunks[i].storage_offset())
+        else:
+            assert read[i].numel() == 0
+    assert read[-1].shape == (read[n - 1]).shape
+
+
+def test_an_fsdp2_trace_at_many_ranks_allocates_as_with_every_chunk_made(monkeypatch):
+    """The step model's set-up makes a shard's chunks when read (fsdp2.chunks_when_read); the trace's
+    allocations are those of torch's own _chunk_with_empty, on the last rank of 100 (empty shards)."""
+    import contextlib
+
+    from zerolens.predict.peak import traced_rank
+    from zerolens.strategies import fsdp2
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=100)
+    made = traced_rank("fsdp2", PRESETS["gpt-tiny"], settings, rank=99, cuda_capability=(9, 0))[1]
+    monkeypatch.setattr(fsdp2, "chunks_when_read", contextlib.nullcontext)
+    whole = traced_rank("fsdp2", PRESETS["gpt-tiny"], settings, rank=99, cuda_capability=(9, 0))[1]
+    assert made["requests"] == whole["requests"] and made["phase_peaks"] == whole["phase_peaks"]

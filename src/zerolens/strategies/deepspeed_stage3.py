@@ -131,20 +131,16 @@ class Gathered:
         else:
             shard_elements = sum(s.numel() for s in shards)
             self.flat = torch.empty(shard_elements * world_size, dtype=shards[0].dtype, device=shards[0].device)
-            self.pieces = [self.flat.narrow(0, shard_elements * r, shard_elements) for r in range(world_size)]
-            torch.cat(shards, out=self.pieces[rank])  # this rank's shards, in place
+            torch.cat(shards, out=self.flat.narrow(0, shard_elements * rank, shard_elements))  # this rank's, in place
 
     def wait(self) -> None:
         if self.waited:
             return
         if self.world_size > 1 and len(self.params) > 1:
-            offset = 0
             for p in self.params:
-                shard = p.shard.numel()
-                parts = [self.pieces[r].narrow(0, offset, min(p.numel - r * shard, shard))
-                         for r in range(self.world_size) if r * shard < p.numel]
-                p.param.data = torch.cat(parts).view(p.shape)
-                offset += shard
+                # DeepSpeed's torch.cat of the parameter's pieces of the N shards (views of the flat
+                # buffer): one new tensor of the parameter's size, made here without N views
+                p.param.data = torch.empty(p.numel, dtype=self.flat.dtype, device=self.flat.device).view(p.shape)
         for p in self.params:
             p.status = AVAILABLE
         self.waited = True
@@ -608,16 +604,19 @@ class DeepSpeedStage3StepModel(Strategy):
             if len(params) == 1 and params[0].numel % n == 0:
                 interleaved = params[0].param.grad.view(-1)
             else:
-                pieces = []
-                for r in range(n):
+                # DeepSpeed cats, rank after rank, each gradient's piece (a view) and, where the piece is
+                # short of its chunk, an empty tensor padding it; only the padding allocates, and only
+                # ranks from the first short piece on have any (not N x gradients views at 4096 ranks)
+                padding = []
+                for r in range(min(p.numel // chunk for p, chunk in zip(params, chunks)), n):
                     for p, chunk in zip(params, chunks):
-                        pieces.append(p.param.grad.view(-1)[r * chunk:r * chunk + chunk])
-                        if chunk > pieces[-1].numel():
-                            pieces.append(torch.empty(chunk - pieces[-1].numel(), dtype=self.dtype, device=self.device))
-                interleaved = torch.cat(pieces)
-                del pieces
+                        length = max(0, min(chunk, p.numel - r * chunk))
+                        if length < chunk:
+                            padding.append(torch.empty(chunk - length, dtype=self.dtype, device=self.device))
+                interleaved = torch.empty(n * sum(chunks), dtype=self.dtype, device=self.device)  # the cat
+                del padding
             interleaved.div_(n)
-            mine = torch.chunk(interleaved, n)[rank]
+            mine = interleaved.narrow(0, rank * sum(chunks), sum(chunks))  # torch.chunk(interleaved, n)[rank]
             offset = 0
             for p, chunk, length in zip(params, chunks, lengths):
                 if chunk * rank < p.numel:  # partition_grads: a piece with data

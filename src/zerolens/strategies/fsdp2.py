@@ -1,6 +1,9 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard)."""
 from __future__ import annotations
 
+import collections.abc
+import contextlib
+
 import torch
 from torch import nn
 
@@ -238,6 +241,10 @@ class TorchFSDP2StepModel(TorchFSDP2):
         with _disable_current_modes():
             return super().device_mesh(device)
 
+    def shard(self, module, device) -> list:
+        with chunks_when_read():
+            return super().shard(module, device)
+
     def optimizer_options(self) -> dict:
         # On CUDA, torch's AdamW defaults to its foreach kernels (whose temporaries count); traced on
         # the CPU it would not.
@@ -250,3 +257,53 @@ class TorchFSDP2StepModel(TorchFSDP2):
                                                   self.settings.gradient_clipping)
 
 
+
+
+@contextlib.contextmanager
+def chunks_when_read():
+    """FSDP2 finds a parameter's shard as torch.chunk(parameter, N)[rank] (_fsdp_common._chunk_with_empty),
+    and reads two of the N views (the rank's and the first, which is padded): on fake tensors each view is
+    a dispatched operation, and at 512 ranks most of a trace's time went on views never read. Here each is
+    made when read, as torch.chunk makes it (a narrow of the same size and offset). A release of torch
+    without that function is left as it is."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param
+    except ImportError:
+        yield
+        return
+    original = getattr(_fsdp_common, "_chunk_with_empty", None)
+    if original is None or getattr(_fsdp_param, "_chunk_with_empty", None) is not original:
+        yield
+        return
+
+    def chunk_with_empty(tensor, num_chunks: int, dim: int):
+        return original(tensor, num_chunks, dim) if tensor.size(dim) == 0 else ChunksWhenRead(tensor, num_chunks, dim)
+
+    _fsdp_common._chunk_with_empty = _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_common._chunk_with_empty = _fsdp_param._chunk_with_empty = original
+
+
+class ChunksWhenRead(collections.abc.Sequence):
+    """_chunk_with_empty's list, each chunk made when read: torch.chunk's (chunks of ceil(size / N) along
+    `dim`, the last shorter, as many as that size makes), then empty tensors up to N."""
+
+    def __init__(self, tensor, num_chunks: int, dim: int):
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        size = tensor.size(dim)
+        self.chunk = -(-size // num_chunks)
+        self.made = -(-size // self.chunk)  # torch.chunk's count
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, i: int):
+        if not -self.num_chunks <= i < self.num_chunks:
+            raise IndexError(i)
+        i %= self.num_chunks
+        if i >= self.made:
+            return self[0].new_empty(0)
+        size = self.tensor.size(self.dim)
+        return self.tensor.narrow(self.dim, i * self.chunk, min(self.chunk, size - i * self.chunk))
