@@ -144,8 +144,8 @@ def decode(tokens_: list[tuple]) -> list[tuple] | None:
 @dataclasses.dataclass
 class Structure:
     """How more blocks change a sequence, from the traces at depths b - 1, b and b + 1: `entries`, in
-    the order of b's tokens, ("base", token at b, token at b + 1) for a token every depth has (bytes,
-    and a free's counts, on a line in the depth, or a count that stays), and ("run", tokens, offset)
+    the order of b's tokens, ("base", token at b, token at b + 1) for a token every depth has (its bytes
+    on a line in the depth; a free's count is fitted apart, fit_counts), and ("run", tokens, offset)
     where one more block inserts a run: `tokens` as inserted at b + 1, and where inside the run that b
     holds of it (from b - 1) that insertion fell, `offset` (a run of allocations followed by a run of
     their frees is inserted straddling both: at m blocks more, run[:offset] m times, then the rest m

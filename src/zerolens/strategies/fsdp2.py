@@ -257,8 +257,6 @@ class TorchFSDP2StepModel(TorchFSDP2):
                                                   self.settings.gradient_clipping)
 
 
-
-
 @contextlib.contextmanager
 def chunks_when_read():
     """FSDP2 finds a parameter's shard as torch.chunk(parameter, N)[rank] (_fsdp_common._chunk_with_empty),
