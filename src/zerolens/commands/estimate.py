@@ -64,35 +64,26 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
            "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
            "strategies": {}}
-    for name in strategies:
-        spec = registry.spec(name)
-        entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, spec.paper_stage),
-                 "deepspeed_estimator_bytes": (deepspeed_estimator(psi, world_size, spec.paper_stage,
-                                                                   max(param_numels) if param_numels else 0)
-                                               if spec.needs_deepspeed else None)}
-        if param_numels is None:
-            entry["components"] = unpadded_components(spec, psi, world_size, precision)
-            entry["ranks"] = None
-        else:
-            ranks = []
-            for rank in range(world_size):
-                r = {"rank": rank, **registry.predict_retained(
-                    name, param_numels, world_size, rank, precision, reduce_bucket_size=reduce_bucket_size,
-                    param_shapes=param_shapes, deepspeed=deepspeed_layout(),  # the installed DeepSpeed's
-                    weight_bytes=weight_bytes, trainable=trainable)}
-                r["transient_reduce_bucket_bytes"] = spec.reduce_bucket_bytes(precision, reduce_bucket_size)
-                # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
-                # of the gradients, ZeRO-3's reduce bucket).
-                r["retained_total_bytes"] = (r["param_bytes"] + r["grad_bytes_after_step"]
-                                             + r["optimizer_state_bytes"] + r["comm_buffer_bytes_after_backward"])
-                ranks.append(r)
-            entry["ranks"] = ranks
-        out["strategies"][name] = entry
-    if param_numels is not None:
-        settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=micro_batch,
-                                 grad_accum=grad_accum, reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam,
-                                 gradient_clipping=gradient_clipping)
-        add_peaks(out["strategies"], model_config, settings, cuda_capability, jobs)
+    settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum,
+                             reduce_bucket_size=reduce_bucket_size, fused_adam=fused_adam,
+                             gradient_clipping=gradient_clipping)
+    traced = param_numels is not None and model_config is not None
+    with pool(min(jobs, len(strategies))) if traced and jobs > 1 and len(strategies) > 1 else InProcess() as executor:
+        try:
+            # In a pool, the peaks are traced while this process works out the layouts (seconds at 4096 ranks)
+            peaks = {name: executor.submit(predicted_peaks, name, model_config, settings, cuda_capability)
+                     for name in strategies} if traced else {}
+            for name in strategies:
+                out["strategies"][name] = layout_entry(name, psi, param_numels, param_shapes, world_size, precision,
+                                                       reduce_bucket_size, weight_bytes, trainable)
+            for name, future in peaks.items():
+                add_peaks(out["strategies"][name], name, future.result(), cuda_capability)
+        except BaseException:  # an interrupt among them: no trace may outlive the command
+            end_pool(executor)
+            raise
+    if param_numels is not None and model_config is None:
+        for entry in out["strategies"].values():
+            entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"
     out |= {"micro_batch": micro_batch, "grad_accum": grad_accum,
             "device": "cpu" if cuda_capability is None else "cuda",
             "cuda_capability": None if cuda_capability is None else ".".join(map(str, cuda_capability)),
@@ -101,24 +92,30 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     return out
 
 
-def add_peaks(entries: dict, model_config, settings: TrainSettings, cuda_capability, jobs: int) -> None:
-    """Each strategy's ranks' predicted peaks into its entry, or why there are none (`peak_not_predicted`),
-    the strategies predicted by `jobs` processes."""
-    if model_config is None:
-        for entry in entries.values():
-            entry["peak_not_predicted"] = ("--model without --batch: zerolens cannot feed it (give --batch to "
-                                           "predict peaks)")
-        return
-    with pool(min(jobs, len(entries))) if jobs > 1 and len(entries) > 1 else InProcess() as executor:
-        try:
-            futures = {name: executor.submit(predicted_peaks, name, model_config, settings, cuda_capability)
-                       for name in entries}
-            predicted = {name: future.result() for name, future in futures.items()}
-        except BaseException:  # an interrupt among them: no trace may outlive the command
-            end_pool(executor)
-            raise
-    for name, entry in entries.items():
-        add_strategy_peaks(entry, name, predicted[name], cuda_capability)
+def layout_entry(name: str, psi: float, param_numels: list[int] | None, param_shapes, world_size: int,
+                 precision: str, reduce_bucket_size: int, weight_bytes: int, trainable) -> dict:
+    """One strategy's entry: the paper's and DeepSpeed's figures, and per rank its real layout (with the
+    parameters' sizes) or, from a count alone, the layout's formulas (`components`)."""
+    spec = registry.spec(name)
+    entry = {"paper_model_states_bytes": paper_model_states(psi, world_size, spec.paper_stage),
+             "deepspeed_estimator_bytes": (deepspeed_estimator(psi, world_size, spec.paper_stage,
+                                                               max(param_numels) if param_numels else 0)
+                                           if spec.needs_deepspeed else None)}
+    if param_numels is None:
+        return entry | {"components": unpadded_components(spec, psi, world_size, precision), "ranks": None}
+    ranks = []
+    for rank in range(world_size):
+        r = {"rank": rank, **registry.predict_retained(
+            name, param_numels, world_size, rank, precision, reduce_bucket_size=reduce_bucket_size,
+            param_shapes=param_shapes, deepspeed=deepspeed_layout(),  # the installed DeepSpeed's
+            weight_bytes=weight_bytes, trainable=trainable)}
+        r["transient_reduce_bucket_bytes"] = spec.reduce_bucket_bytes(precision, reduce_bucket_size)
+        # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
+        # of the gradients, ZeRO-3's reduce bucket).
+        r["retained_total_bytes"] = (r["param_bytes"] + r["grad_bytes_after_step"]
+                                     + r["optimizer_state_bytes"] + r["comm_buffer_bytes_after_backward"])
+        ranks.append(r)
+    return entry | {"ranks": ranks}
 
 
 def predicted_peaks(name: str, model_config, settings: TrainSettings, cuda_capability) -> dict:
@@ -126,7 +123,7 @@ def predicted_peaks(name: str, model_config, settings: TrainSettings, cuda_capab
     return predict_or_why_not(name, model_config, settings, cuda_capability=cuda_capability, trace=DepthScaling())
 
 
-def add_strategy_peaks(entry: dict, name: str, predicted: dict, cuda_capability) -> None:
+def add_peaks(entry: dict, name: str, predicted: dict, cuda_capability) -> None:
     """One strategy's predicted peaks (predict_or_why_not's) into its entry."""
     if "why_not" in predicted:
         entry["peak_not_predicted"] = predicted["why_not"]
