@@ -527,6 +527,7 @@ def test_fsdp2s_shards_made_when_read_are_torch_chunks_views(rows, n):
     assert read[-1].shape == (read[n - 1]).shape
 
 
+@pytest.mark.slow
 def test_an_fsdp2_trace_at_many_ranks_allocates_as_with_every_chunk_made(monkeypatch):
     """The step model's set-up makes a shard's chunks when read (fsdp2.chunks_when_read); the trace's
     allocations are those of torch's own _chunk_with_empty, on the last rank of 100 (empty shards)."""
