@@ -43,7 +43,7 @@ def straddling(blocks: int) -> list[tuple]:
 
 
 def test_a_run_inserted_across_two_runs_grows_both():
-    shape, why = depths.structure(straddling(2), straddling(3), straddling(4), 3)
+    shape, why = depths.structure(straddling(2), straddling(3), straddling(4))
     assert why is None
     lines = depths.fit_counts(shape, straddling(4), straddling(5))
     for blocks in (6, 9, 40):

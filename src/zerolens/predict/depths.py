@@ -31,8 +31,8 @@ import dataclasses
 import difflib
 
 from zerolens.models.model import ModelConfig
-from zerolens.predict.micro_batches import figures, in_order, on_line, without_workspaces
-from zerolens.predict.peak import rank_outcome, sequence_peaks, traced_rank
+from zerolens.predict.micro_batches import figures, in_order, on_line, with_sequence
+from zerolens.predict.peak import rank_outcome, traced_rank
 from zerolens.strategies import TrainSettings
 
 # The depths traced: the runs from the first three, each free's count from the third and fourth, checked on the fifth.
@@ -150,7 +150,6 @@ class Structure:
     holds of it (from b - 1) that insertion fell, `offset` (a run of allocations followed by a run of
     their frees is inserted straddling both: at m blocks more, run[:offset] m times, then the rest m
     times)."""
-    b: int
     entries: list[tuple]
 
 
@@ -182,7 +181,7 @@ def inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None,
     return out, None
 
 
-def structure(first: list[tuple], second: list[tuple], third: list[tuple], b: int) -> tuple[Structure | None, str | None]:
+def structure(first: list[tuple], second: list[tuple], third: list[tuple]) -> tuple[Structure | None, str | None]:
     """The Structure of the tokens at depths b - 1, b, b + 1, or why there is none: the runs one more
     block inserts must be the same from b - 1 to b as from b to b + 1."""
     earlier, why = inserted_runs(first, second)
@@ -206,7 +205,7 @@ def structure(first: list[tuple], second: list[tuple], third: list[tuple], b: in
             return None, "one more block inserts its runs at different places at different depths"
         entries.append(("run", entry[3], offset))
         k += 1
-    return Structure(b, entries), None
+    return Structure(entries), None
 
 
 def laid_out(shape: Structure, more: int) -> list[tuple[tuple, tuple]]:
@@ -267,7 +266,7 @@ def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | N
         return None, "the traces record no allocation sequence"
     a, b, c, d, e = sorted(records)
     seq = {n: tokens(records[n]["requests"], records[n]["raw"]) for n in (a, b, c, d, e)}
-    shape, why = structure(seq[a], seq[b], seq[c], b)
+    shape, why = structure(seq[a], seq[b], seq[c])
     if shape is None:
         return None, why
     lines = fit_counts(shape, seq[c], seq[d])
@@ -286,7 +285,4 @@ def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | N
     beside = on_line(counted[c], counted[d], c, d, depth)
     if beside is None or any(size < 0 for _, _, size, _ in requests if isinstance(size, int)):
         return None, "a size on the line in the depth is negative"
-    peaks, end = sequence_peaks(without_workspaces(requests))
-    return records[e] | {"requests": requests, "raw": raw, "inside": {}, "batch_bytes": beside["batch_bytes"],
-                         "phase_peaks": {key: peaks[key] + beside["beside"][key] for key in peaks},
-                         "held": end + beside["held_beside"], "depth_scaled_from": sorted(records)}, None
+    return with_sequence(records[e], requests, raw, {}, beside) | {"depth_scaled_from": sorted(records)}, None

@@ -175,7 +175,13 @@ def scaled_record(records: dict[int, dict], micro_batch: int) -> dict | None:
     beside = on_line(figures(first), figures(second), b1, b2, micro_batch)
     if beside is None:
         return None
+    return with_sequence(first, requests, raw, inside, beside) | {"step_model": records[max(records)]["step_model"]}
+
+
+def with_sequence(record: dict, requests: list, raw: dict, inside: dict, beside: dict) -> dict:
+    """`record` with another allocation sequence (`raw`, `inside` as traced_rank's) and the tracker's
+    figures beside it (`beside`, as figures() gives them): its peaks and what it holds worked out again."""
     peaks, end = sequence_peaks(without_workspaces(requests))
-    return first | {"requests": requests, "raw": raw, "inside": inside, "batch_bytes": beside["batch_bytes"],
-                    "phase_peaks": {key: peaks[key] + beside["beside"][key] for key in peaks},
-                    "held": end + beside["held_beside"], "step_model": records[max(records)]["step_model"]}
+    return record | {"requests": requests, "raw": raw, "inside": inside, "batch_bytes": beside["batch_bytes"],
+                     "phase_peaks": {key: peaks[key] + beside["beside"][key] for key in peaks},
+                     "held": end + beside["held_beside"]}

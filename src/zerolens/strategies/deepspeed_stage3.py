@@ -599,8 +599,10 @@ class DeepSpeedStage3StepModel(Strategy):
             params = sorted(self.bucket_params, key=lambda p: p.id)
             n, rank = self.world_size, self.rank
             chunks = [math.ceil(p.numel / n) for p in params]
-            # A rank's piece of a gradient: `chunk` elements, fewer (or none) at its end.
-            lengths = [max(0, min(chunk, p.numel - rank * chunk)) for p, chunk in zip(params, chunks)]
+            def piece(p, chunk, r):  # rank r's piece of a gradient: `chunk` elements, fewer (or none) at its end
+                return max(0, min(chunk, p.numel - r * chunk))
+
+            lengths = [piece(p, chunk, rank) for p, chunk in zip(params, chunks)]
             if len(params) == 1 and params[0].numel % n == 0:
                 interleaved = params[0].param.grad.view(-1)
             else:
@@ -610,9 +612,8 @@ class DeepSpeedStage3StepModel(Strategy):
                 padding = []
                 for r in range(min(p.numel // chunk for p, chunk in zip(params, chunks)), n):
                     for p, chunk in zip(params, chunks):
-                        length = max(0, min(chunk, p.numel - r * chunk))
-                        if length < chunk:
-                            padding.append(torch.empty(chunk - length, dtype=self.dtype, device=self.device))
+                        if piece(p, chunk, r) < chunk:
+                            padding.append(torch.empty(chunk - piece(p, chunk, r), dtype=self.dtype, device=self.device))
                 interleaved = torch.empty(n * sum(chunks), dtype=self.dtype, device=self.device)  # the cat
                 del padding
             interleaved.div_(n)
