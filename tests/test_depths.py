@@ -8,7 +8,7 @@ from zerolens.models.hf import model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig
 from zerolens.predict import depths
 from zerolens.predict.peak import rank_outcome, traced_rank
-from zerolens.strategies import TrainSettings
+from zerolens.strategies import TrainSettings, registry
 
 H200 = (9, 0)
 
@@ -85,3 +85,27 @@ def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
                    cuda_capability=H200)[0] == {"traced": True}
     assert scaling("ddp", deep, settings, cuda_capability=None)[0] == {"traced": True}  # a CPU target
     assert asked == [(depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False), (depths.SCALED_FROM, False)]
+
+
+def recording_inner(calls: list):
+    """traced_rank's signature, recording the depths traced; its records name no allocation sequence."""
+    def inner(name, model_config, settings, **options):
+        calls.append(model_config.num_layers)
+        return {"peak_bytes": model_config.num_layers}, {"requests": None, "brackets": False}
+    return inner
+
+
+def test_a_strategy_seen_never_to_repeat_per_block_is_traced_whole_at_once():
+    settings = TrainSettings(precision="bf16", micro_batch=1, world_size=8)
+    deep = llama_tiny(depths.SCALED_FROM)
+    calls = []
+    out, _ = depths.DepthScaling(recording_inner(calls))("zero3", deep, settings, cuda_capability=H200)
+    assert calls == [depths.SCALED_FROM]
+    assert out["why_not_depth_scaled"] == registry.spec("zero3").not_depth_scaled
+    calls.clear()  # DDP is tried: five shallow traces, here refused (no sequence), then the whole
+    out, _ = depths.DepthScaling(recording_inner(calls))("ddp", deep, settings, cuda_capability=H200)
+    assert calls == [*depths.TRACED_DEPTHS, depths.SCALED_FROM]
+    assert out["why_not_depth_scaled"] == "the traces record no allocation sequence"
+    calls.clear()  # a CPU target is not tried, and says nothing of it
+    out, _ = depths.DepthScaling(recording_inner(calls))("zero3", deep, settings)
+    assert calls == [depths.SCALED_FROM] and "why_not_depth_scaled" not in out

@@ -237,3 +237,21 @@ def test_gradient_accumulation_is_estimated_for_every_strategy(cli):
     assert estimated["grad_accum"] == 2 and estimated["strategies"]["ddp"]["ranks"][0]["peak_bytes"] > 0
     assert estimated["strategies"]["zero2"]["ranks"][0]["peak_bytes"] > 0
     assert estimated["strategies"]["zero3"]["ranks"][0]["peak_bytes"] > 0  # modelled: tests/test_zero3_grad_accum.py
+
+
+def test_depth_scaling_is_said_per_rank_where_layouts_differ_in_it():
+    """FSDP2's ranks of different layouts are traced apart, and one layout's traces may scale by depth where
+    another's do not: each rank says which, and the strategy how many ranks' traces were scaled."""
+    from zerolens.commands.estimate import add_peaks
+    peaks = {k: 1 for k in ("peak_during_forward", "peak_during_backward", "peak_during_step", "peak_bytes",
+                            "cublas_workspace_bytes")}
+    scaled, whole = peaks | {"depth_scaled_from": [2, 3, 4, 5, 6]}, peaks | {"why_not_depth_scaled": "because"}
+    entry = {"ranks": [{"rank": r} for r in range(3)]}
+    add_peaks(entry, "fsdp2", {"ranks": [scaled, scaled, whole]}, None)
+    assert (entry["depth_scaled_from"], entry["why_not_depth_scaled"], entry["depth_scaled_ranks"]) == \
+        ([2, 3, 4, 5, 6], "because", 2)
+    assert [("depth_scaled_from" in r, "why_not_depth_scaled" in r) for r in entry["ranks"]] == \
+        [(True, False), (True, False), (False, True)]
+    entry = {"ranks": [{"rank": r} for r in range(2)]}
+    add_peaks(entry, "fsdp2", {"ranks": [scaled, scaled]}, None)
+    assert "depth_scaled_ranks" not in entry and "why_not_depth_scaled" not in entry

@@ -128,12 +128,19 @@ def add_peaks(entry: dict, name: str, predicted: dict, cuda_capability) -> None:
     if "why_not" in predicted:
         entry["peak_not_predicted"] = predicted["why_not"]
         return
-    # Whether the trace was scaled from shallow ones (its depths), or why not where it was tried
-    entry.update({k: predicted["ranks"][0][k] for k in ("depth_scaled_from", "why_not_depth_scaled")
-                  if k in predicted["ranks"][0]})
+    # Whether the traces were scaled from shallow ones (their depths), or why not where it was tried: per
+    # rank, as ranks of different layouts are traced apart; for the strategy, the first of each and, where
+    # its layouts differ in this, how many ranks' traces were scaled.
+    depth_keys = ("depth_scaled_from", "why_not_depth_scaled")
+    for key in depth_keys:
+        first = next((peaks[key] for peaks in predicted["ranks"] if key in peaks), None)
+        if first is not None:
+            entry[key] = first
+    if all(key in entry for key in depth_keys):
+        entry["depth_scaled_ranks"] = sum("depth_scaled_from" in peaks for peaks in predicted["ranks"])
     for rank, peaks in zip(entry["ranks"], predicted["ranks"]):
         rank.update({k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step",
-                                           "peak_bytes", "cublas_workspace_bytes")})
+                                           "peak_bytes", "cublas_workspace_bytes", *depth_keys) if k in peaks})
         if cuda_capability is not None:  # what the caching allocator and the rest of the process need
             rank.update({k: peaks[k] for k in ("reserved_peak_bytes", "min_allocator_cap_bytes",
                                                "allocated_peak_bytes", "allocated_phase_peaks",
@@ -213,7 +220,8 @@ def render_estimate(result: dict) -> list:
                   f"runs the trace's allocations under ({setting.replace('_', ' ')}{unmodelled}) plus what the "
                   f"process holds outside it ({outside_allocator_source()})" if cuda else "")
     not_predicted = [f"{name}: {e['peak_not_predicted']}" for name, e in entries.items() if "peak_not_predicted" in e]
-    scaled = [name for name, e in entries.items() if "depth_scaled_from" in e]
+    scaled = [name + (f" ({e['depth_scaled_ranks']} of {n} ranks)" if "depth_scaled_ranks" in e else "")
+              for name, e in entries.items() if "depth_scaled_from" in e]
     depth_scale = next((e["depth_scaled_from"] for e in entries.values() if "depth_scaled_from" in e), [])
     return lines + [
         f"Per rank, {label} (1024-based), from the real layout (padding, partition boundaries, buckets): rank 0, "
@@ -230,8 +238,9 @@ def render_estimate(result: dict) -> list:
         *(f"No peak for {line}." for line in not_predicted),
         *([f"{', '.join(scaled)}: traced at {', '.join(map(str, depth_scale))} blocks and scaled to the model's "
            "depth, every allocation checked on the deepest of them (docs/method.md)."] if scaled else []),
-        *(f"{name}: traced at the model's depth, not scaled from shallow traces ({e['why_not_depth_scaled']})."
-          for name, e in entries.items() if "why_not_depth_scaled" in e),
+        *(f"{name}: traced at the model's depth{' for the other ranks' if 'depth_scaled_ranks' in e else ''}, not "
+          f"scaled from shallow traces ({e['why_not_depth_scaled']})." for name, e in entries.items()
+          if "why_not_depth_scaled" in e),
         *(f"No \"needs\" for {name} rank {r['rank']}: {r['allocator_not_replayed']}." for name, _, r in shown
           if "allocator_not_replayed" in r)]
 

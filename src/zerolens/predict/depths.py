@@ -20,7 +20,8 @@ model is traced at its own depth. tests/test_depths.py checks scaled against tra
 
 Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies.
 Not: DeepSpeed's stages, whose flat buffers are cut in pieces that do not repeat per block (stage 0)
-and whose ZeRO-3 prefetch keeps a window of blocks alive (its frees' counts stop growing); traces with
+and whose ZeRO-3 prefetch keeps a window of blocks alive (its frees' counts stop growing): the registry
+says so (StrategySpec.not_depth_scaled), and they are traced whole without trying; traces with
 brackets (ZeRO-1/2's splice: what each rank allocates inside them follows from the whole model's
 flat partition); CPU targets (no allocation sequence is recorded); a user's own model (kind "user":
 zerolens cannot build it at another depth); models below SCALED_FROM blocks.
@@ -33,7 +34,7 @@ import difflib
 from zerolens.models.model import ModelConfig
 from zerolens.predict.micro_batches import figures, in_order, on_line, with_sequence
 from zerolens.predict.peak import rank_outcome, traced_rank
-from zerolens.strategies import TrainSettings
+from zerolens.strategies import TrainSettings, registry
 
 # The depths traced: the runs from the first three, each free's count from the third and fourth, checked on the fifth.
 TRACED_DEPTHS = (2, 3, 4, 5, 6)
@@ -63,7 +64,8 @@ class DepthScaling:
     def shallow_record(self, name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
         key = repr((name, model_config, settings, sorted(options.items())))  # repr: an HF config holds dicts
         if key not in self.shallow:
-            self.shallow[key] = self.inner(name, model_config, settings, **options)[1]
+            # Its own figures are not needed: the allocator model replays the deep sequence only
+            self.shallow[key] = self.inner(name, model_config, settings, outcome=False, **options)[1]
         return self.shallow[key]
 
     def __call__(self, name: str, model_config: ModelConfig, settings: TrainSettings, *,
@@ -71,11 +73,14 @@ class DepthScaling:
         depth = depth_of(model_config)
         why = None
         if cuda_capability is not None and not brackets and depth is not None and depth >= SCALED_FROM:
-            records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
-                                              cuda_capability=cuda_capability, **options) for d in TRACED_DEPTHS}
-            record, why = deepened(records, depth)
-            if record is not None:
-                return rank_outcome(record) | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
+            # A strategy seen never to repeat per block is traced whole at once (the registry says why)
+            why = registry.spec(name).not_depth_scaled
+            if why is None:
+                records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
+                                                  cuda_capability=cuda_capability, **options) for d in TRACED_DEPTHS}
+                record, why = deepened(records, depth)
+                if record is not None:
+                    return rank_outcome(record) | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
         out, record = self.inner(name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets,
                                  **options)
         return (out | {"why_not_depth_scaled": why} if why else out), record

@@ -246,8 +246,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
 
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                 cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
-                requests: list | None = None, brackets: bool = False) -> tuple[dict, dict]:
-    """predict_peaks, and the trace's record, what a splice (spliced_ranks) or a scaling to other
+                requests: list | None = None, brackets: bool = False, outcome: bool = True) -> tuple[dict | None, dict]:
+    """predict_peaks (None without `outcome`: the allocator model not run), and the trace's record, what a splice (spliced_ranks) or a scaling to other
     micro-batches (predict/micro_batches.py) needs of it: `requests`, the allocation sequence (with
     each phase's start marked, and with `brackets` the step model's
     rank_own brackets, whatever the target), `raw` (each allocation's bytes before rounding),
@@ -342,7 +342,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
               "batch_bytes": tokens.nbytes + labels.nbytes,
               "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
               if cuda_capability is None else {}}
-    return rank_outcome(record), record
+    return rank_outcome(record) if outcome else None, record
 
 
 def rank_outcome(record: dict) -> dict:

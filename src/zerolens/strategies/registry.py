@@ -66,6 +66,9 @@ class StrategySpec:
     layout: Callable[[Layout], dict]  # retained bytes per component (strategies/layout.py)
     unpadded: Unpadded
     communication: Communication | None = None  # None: not known (plan ranks it last)
+    # Why its allocations do not repeat alike per block, where they were seen not to on every model tried
+    # (predict/depths.py then traces it at the model's depth without first tracing five shallow ones)
+    not_depth_scaled: str | None = None
 
     def backend_class(self):
         module, _, cls = self.backend.partition(":")
@@ -205,6 +208,7 @@ register(StrategySpec(
     name="zero0", backend=DEEPSPEED, options={"stage": 0}, needs_deepspeed=True, paper_stage=0,
     shards_gradients=False, transient_code=DEEPSPEED_CODE, step_model=DEEPSPEED_STEP_MODEL,
     description="DeepSpeed without ZeRO (the case study's baseline)",
+    not_depth_scaled="DeepSpeed without ZeRO cuts its flat buffers in pieces that do not repeat per block",
     layout=deepspeed_stage0_layout,
     unpadded=lambda psi, n, e: (e * psi, e * psi, ((4 if e == 2 else 0) + 8) * psi, 0),
     communication=lambda psi, n, e: 2 * ring(e * psi, n)))  # all-reduce of the 16-bit gradients
@@ -225,6 +229,8 @@ register(StrategySpec(
     shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True, transient_code=DEEPSPEED_CODE,
     step_model="zerolens.strategies.deepspeed_stage3:DeepSpeedStage3StepModel",
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
+    not_depth_scaled="ZeRO-3's prefetch keeps a window of blocks' parameters alive: its frees do not move alike "
+                     "with each block",
     unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0),
     # 16-bit weights all-gathered in forward and again in backward; gradients reduce-scattered.
     communication=lambda psi, n, e: 3 * ring(e * psi, n)))
