@@ -22,7 +22,8 @@ if rc == 0:
             "ranks": len(ranks), "not_predicted": s.get("peak_not_predicted"),
             "highest_peak_bytes": max((r.get("peak_bytes", 0) for r in ranks), default=None),
             "ranks_with_allocator_figures": sum("min_allocator_cap_bytes" in r for r in ranks),
-            "depth_scaled_from": s.get("depth_scaled_from"), "why_not_depth_scaled": s.get("why_not_depth_scaled")}
+            "depth_scaled_from": s.get("depth_scaled_from"), "why_not_depth_scaled": s.get("why_not_depth_scaled"),
+            "depth_scaled_ranks": s.get("depth_scaled_ranks")}
 print(json.dumps(out))
 PY
 }
