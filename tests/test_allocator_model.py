@@ -12,6 +12,8 @@ from zerolens.predict.allocator import (
     SMALL_BUFFER,
     CachingAllocator,
     OutOfMemory,
+    allocator_needs,
+    neediest_needs,
     replay_recording,
     requests_of_recording,
     run_requests,
@@ -256,10 +258,26 @@ def test_the_allocated_peak_counts_a_block_handed_out_unsplit_whole():
     (at most kSmallSize): torch.cuda.max_memory_allocated counts the whole 20 MiB, and so does
     allocator_needs' allocated_peak_bytes (as the recordings above show to the byte). With expandable
     segments the block is split (512 bytes or more remain): 19.5 MiB."""
-    from zerolens.predict.allocator import allocator_needs
     needs = allocator_needs([("phase", (0, "forward"), None, 0), ("alloc", 1, 39 * MiB // 2, 0), ("free", 1, 0, 0),
                              ("phase", (0, "step"), None, 0), ("alloc", 2, MiB, 0)])
     assert needs["allocated_peak_bytes"] == {"default": 20 * MiB, "expandable_segments": 39 * MiB // 2}
     # Each phase from what is allocated at its start: the step's 1 MiB, the small pool's largest request,
     # split from a 2 MiB segment (the small pool splits any rest).
     assert needs["allocated_phase_peaks"]["default"] == {"forward": 20 * MiB, "step": MiB}
+
+
+def test_only_the_caps_that_could_be_the_highest_are_searched():
+    """neediest_needs (plan's, for ZeRO-1/2's ranks): each sequence replayed once per setting, its reserved and
+    allocated peaks as allocator_needs gives them; the smallest cap searched only where it could be the
+    highest, and the highest as allocator_needs finds it."""
+    def sequence(mib: int) -> list:  # a block held, then a larger one while it lives: fragmentation
+        return [("alloc", 0, mib * MiB, 0), ("alloc", 1, 3 * mib * MiB, 0), ("free", 0, 0, 0),
+                ("alloc", 2, 2 * mib * MiB, 0), ("free", 1, 0, 0), ("free", 2, 0, 0)]
+    sequences = {"large": sequence(64), "small": sequence(8), "smaller": sequence(4)}
+    every = {key: allocator_needs(requests) for key, requests in sequences.items()}
+    neediest = neediest_needs(sequences)
+    for key in sequences:
+        for figure in ("reserved_peak_bytes", "allocated_peak_bytes", "allocated_phase_peaks"):
+            assert neediest[key][figure] == every[key][figure]
+    assert neediest["large"]["min_allocator_cap_bytes"] == every["large"]["min_allocator_cap_bytes"]
+    assert neediest["small"]["min_allocator_cap_bytes"] == neediest["smaller"]["min_allocator_cap_bytes"] == {}

@@ -417,7 +417,7 @@ def test_zero12s_one_trace_spliced_for_every_rank_is_each_ranks_own_trace(name, 
 def test_the_allocator_model_replays_the_neediest_distinct_sequences_where_there_are_too_many(monkeypatch):
     """At thousands of ranks ZeRO-2's ranks make hundreds of distinct sequences, each a replay of seconds:
     the allocator model replays the ALLOCATOR_REPLAYS with the highest allocated peaks, exactly; the other
-    ranks say so and carry no allocator figures (plan takes its neediest rank among those replayed)."""
+    ranks say so and carry no allocator figures (plan asks only for the neediest: the next test)."""
     from zerolens.predict import peak
     monkeypatch.setattr(peak, "ALLOCATOR_REPLAYS", 2)
     settings = TrainSettings(precision="bf16", world_size=7, micro_batch=2, reduce_bucket_size=20_000)
@@ -431,6 +431,26 @@ def test_the_allocator_model_replays_the_neediest_distinct_sequences_where_there
             own = predict_peaks("zero2", PRESETS["gpt-tiny"], settings, rank=rank, cuda_capability=(9, 0),
                                 trace_on="cpu")
             assert predicted == own
+
+
+def test_plans_neediest_caps_are_the_highest_of_every_ranks():
+    """plan asks of ZeRO-2's ranks only the smallest caps that could be the highest (allocator.neediest_needs):
+    every rank's reserved and allocated peaks as before, and per allocator setting the highest smallest cap,
+    and every rank that has it, as where each rank's cap is searched."""
+    from zerolens.predict import peak
+    settings = TrainSettings(precision="bf16", world_size=7, micro_batch=2, reduce_bucket_size=20_000)
+    every, neediest = (peak.spliced_ranks("zero2", PRESETS["gpt-tiny"], settings, cuda_capability=(9, 0),
+                                          trace_on="cpu", allocator_caps=caps) for caps in ("every", "neediest"))
+    for setting in ("default", "expandable_segments"):
+        caps = {r: ranks["min_allocator_cap_bytes"][setting] for r, ranks in enumerate(every)}
+        found = {r: ranks["min_allocator_cap_bytes"][setting] for r, ranks in enumerate(neediest)
+                 if setting in ranks["min_allocator_cap_bytes"]}
+        highest = max(caps.values())
+        assert max(found.values()) == highest and all(caps[r] == cap for r, cap in found.items())
+        assert {r for r, cap in caps.items() if cap == highest} <= set(found)
+    for a, b in zip(every, neediest):
+        assert {k: v for k, v in a.items() if k != "min_allocator_cap_bytes"} == \
+            {k: v for k, v in b.items() if k != "min_allocator_cap_bytes"}
 
 
 def test_the_first_fsdp2_trace_of_a_process_is_the_next_ones():

@@ -91,21 +91,22 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=No
     from zerolens.predict.peak import predicted_peaks
     registry.load_plugins()  # in a pool's fresh process too
     name = config.strategies[0]
-    predicted = predicted_peaks(config, cuda_capability, trace=trace)[name]
+    # Of ZeRO-1/2's ranks, the smallest caps only of those that could need the most (peak.spliced_ranks)
+    predicted = predicted_peaks(config, cuda_capability, trace=trace, allocator_caps="neediest")[name]
     if "ranks" not in predicted:
         return {"why_not": predicted["why_not"]}
     setting, _ = allocator_setting()
     outside = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
     ranks = predicted["ranks"]
-    # Where ranks make too many distinct sequences for the allocator model to replay them all, those with
-    # the highest allocated peaks (peak.spliced_ranks)
-    replayed = [r for r in range(config.nproc) if "min_allocator_cap_bytes" in ranks[r]]
-    rank = max(replayed, key=lambda r: (ranks[r]["min_allocator_cap_bytes"][setting], ranks[r]["peak_bytes"]))
+
+    def searched(setting_: str) -> list[int]:  # the ranks whose smallest cap under the setting was searched
+        return [r for r in range(config.nproc) if setting_ in ranks[r].get("min_allocator_cap_bytes", {})]
+    rank = max(searched(setting), key=lambda r: (ranks[r]["min_allocator_cap_bytes"][setting], ranks[r]["peak_bytes"]))
     peaks = ranks[rank]
     return {"needs_bytes": peaks["min_allocator_cap_bytes"][setting] + outside, "rank": rank,
             "min_allocator_cap_bytes": peaks["min_allocator_cap_bytes"][setting], "outside_allocator_bytes": outside,
             "needs_expandable_bytes": max(ranks[r]["min_allocator_cap_bytes"]["expandable_segments"]
-                                          for r in replayed) + outside,
+                                          for r in searched("expandable_segments")) + outside,
             "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
             **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")},
             **({"scaled_from": peaks["scaled_from"]} if "scaled_from" in peaks else {})}

@@ -36,7 +36,7 @@ from zerolens.models.model import (
     to_empty_keeping_ties,
     trainable_flags,
 )
-from zerolens.predict.allocator import allocator_needs
+from zerolens.predict.allocator import allocator_needs, neediest_needs
 from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
@@ -541,23 +541,25 @@ def why_not_predicted(name: str, config) -> str | None:
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None,
-                    trace=None) -> dict[str, dict]:
+                    trace=None, allocator_caps: str = "every") -> dict[str, dict]:
     """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
-    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer). `trace`:
-    as predict_or_why_not."""
+    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer). `trace`,
+    `allocator_caps`: as predict_or_why_not."""
     return {name: predict_or_why_not(name, config.model, config.train_settings(), seed=config.seed,
                                      cuda_capability=cuda_capability, trace_on=trace_on, trace=trace,
-                                     steps=min(STEPS, config.steps + config.warmup_steps)) for name in config.strategies}
+                                     allocator_caps=allocator_caps, steps=min(STEPS, config.steps + config.warmup_steps))
+            for name in config.strategies}
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, *, trace=None,
-                       **options) -> dict:
+                       allocator_caps: str = "every", **options) -> dict:
     """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}: for ZeRO-1/2,
     one trace spliced for every rank (spliced_ranks); else one trace standing for all the ranks that
     allocate alike (ranks_alike). A model that cannot be traced on fake tensors is not predicted, and
     its run goes on; the traceback is kept (`traceback`) in case the fault is a step model's.
     `trace`: what traces a rank, traced_rank's signature (traced_rank itself where None; plan's
-    micro_batches.MicroBatchScaling, which scales earlier traces where they allow)."""
+    micro_batches.MicroBatchScaling, which scales earlier traces where they allow). `allocator_caps`:
+    "every" rank's smallest caps, or only "neediest", those that could be the highest (spliced_ranks)."""
     why = why_not_traced(name, model_config, settings)
     if why:
         return {"why_not": why}
@@ -565,7 +567,8 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
     try:
         spec = registry.spec(name)
         if spec.flat_partition and hasattr(spec.step_model_class(), "rank_requests"):
-            return {"ranks": spliced_ranks(name, model_config, settings, trace=trace, **options)}
+            return {"ranks": spliced_ranks(name, model_config, settings, trace=trace, allocator_caps=allocator_caps,
+                                           **options)}
         alike = ranks_alike(name, model_config, settings)
         traced = {rank: trace(name, model_config, settings, rank=rank, **options)[0] for rank in set(alike.values())}
     except Exception as e:
@@ -582,7 +585,8 @@ ALLOCATOR_REPLAYS = 8
 
 
 def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings, *,
-                  cuda_capability: tuple[int, int] | None = None, trace=None, **options) -> list[dict]:
+                  cuda_capability: tuple[int, int] | None = None, trace=None, allocator_caps: str = "every",
+                  **options) -> list[dict]:
     """Every rank's predict_peaks from one trace, for a step model whose ranks differ only in what it
     allocates inside its rank_own brackets (DeepSpeed ZeRO-1/2: each rank's gradient buffer, the
     pieces of its slice, its padding). Rank 0 is traced with the brackets marked; each rank's
@@ -590,7 +594,10 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
     sequence's (rank_peaks), plus what the tracker counted beside the sequence in rank 0's trace (the
     same on every rank). For a CUDA target the allocator model replays each distinct sequence, at most
     ALLOCATOR_REPLAYS of them, those with the highest allocated peaks; a rank whose sequence was not
-    replayed says so (`allocator_not_replayed`) and has no allocator figures.
+    replayed says so (`allocator_not_replayed`) and has no allocator figures. With `allocator_caps`
+    "neediest" (plan's) every distinct sequence is replayed uncapped, and the smallest cap searched, per
+    allocator setting, only where it could be the highest (allocator.neediest_needs): a rank's
+    `min_allocator_cap_bytes` then holds the settings searched for it.
     tests/test_predict_peak.py checks every rank against its own trace."""
     out, record = (trace or traced_rank)(name, model_config, settings, rank=0, cuda_capability=cuda_capability,
                                          brackets=True, **options)
@@ -615,9 +622,13 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
         first_with = {}  # a distinct sequence -> the first rank that makes it
         for rank, content in enumerate(contents):
             first_with.setdefault(content, rank)
-        replayed = sorted(first_with.values(), key=lambda r: -ranks[r]["peak_bytes"])[:ALLOCATOR_REPLAYS]
-        needs = {contents[r]: allocator_needs(plain_requests(spliced_requests(
-            requests, step_model.rank_requests(r), tracked_bytes))) for r in replayed}
+        def sequence(rank: int) -> list:
+            return plain_requests(spliced_requests(requests, step_model.rank_requests(rank), tracked_bytes))
+        if allocator_caps == "neediest":
+            needs = neediest_needs({content: sequence(rank) for content, rank in first_with.items()})
+        else:
+            replayed = sorted(first_with.values(), key=lambda r: -ranks[r]["peak_bytes"])[:ALLOCATOR_REPLAYS]
+            needs = {contents[r]: allocator_needs(sequence(r)) for r in replayed}
         for rank, content in enumerate(contents):
             ranks[rank] |= needs.get(content) or {"allocator_not_replayed": (
                 f"the {settings.world_size} ranks make {len(first_with)} distinct allocation sequences, and the "
