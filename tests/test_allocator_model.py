@@ -275,7 +275,7 @@ def test_only_the_caps_that_could_be_the_highest_are_searched():
                 ("alloc", 2, 2 * mib * MiB, 0), ("free", 1, 0, 0), ("free", 2, 0, 0)]
     sequences = {"large": sequence(64), "small": sequence(8), "smaller": sequence(4)}
     every = {key: allocator_needs(requests) for key, requests in sequences.items()}
-    neediest = neediest_needs(sequences)
+    neediest = neediest_needs(list(sequences), sequences.get)
     for key in sequences:
         for figure in ("reserved_peak_bytes", "allocated_peak_bytes", "allocated_phase_peaks"):
             assert neediest[key][figure] == every[key][figure]

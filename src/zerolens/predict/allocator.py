@@ -590,38 +590,24 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
     "default", "expandable_segments", and "PYTORCH_CUDA_ALLOC_CONF" where this process's (or
     `alloc_conf`) sets an option the model follows besides expandable segments (max_split_size_mb,
     roundup_power2_divisions)."""
-    out: dict[str, dict] = {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
-                            "allocated_phase_peaks": {}}
-    settings = {"default": {}, "expandable_segments": {"expandable": True}}
-    if allocator_setting(alloc_conf)[0] == USER_SETTING:
-        settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
-    for name, options in settings.items():
-        uncapped = run_requests(requests, **options)
-        out["reserved_peak_bytes"][name] = uncapped.reserved_peak
-        out["allocated_peak_bytes"][name] = uncapped.allocated_peak
-        phases: dict[str, int] = {}
-        for (_, phase), peak in uncapped.phase_peaks.items():
-            phases[phase] = max(phases.get(phase, 0), peak)
-        out["allocated_phase_peaks"][name] = phases
-        out["min_allocator_cap_bytes"][name] = smallest_cap(requests, uncapped=uncapped, **options,
-                                                             granularity=cap_granularity(uncapped.reserved_peak))
-    return out
+    return neediest_needs([None], lambda _: requests, alloc_conf)[None]
 
 
-def neediest_needs(sequences: dict, alloc_conf: str | None = None) -> dict:
-    """allocator_needs of each of `sequences` (key -> one rank's requests), but the smallest cap, per
-    allocator setting, only of those that could need the most: each sequence's uncapped run gives its
-    reserved peak, above which its smallest cap cannot lie (to within cap_granularity), and the caps
-    are searched from the highest reserved peak down until the next cannot exceed the highest cap found
-    (equal ones are searched: a tie is the caller's to break). What plan needs of ZeRO-1/2's ranks, of
-    which only the neediest decides whether a job fits: a few searches instead of one per rank."""
+def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
+    """allocator_needs of each of several sequences (`sequence(key)`: the requests of each of `keys`,
+    made when replayed), but the smallest cap, per allocator setting, only of those that could need the
+    most: each sequence's uncapped run gives its reserved peak, above which its smallest cap cannot lie
+    (to within cap_granularity), and the caps are searched from the highest reserved peak down, each
+    whose reserved peak is below the highest cap found skipped (equal ones searched: a tie is the
+    caller's to break). What plan needs of ZeRO-1/2's ranks, of which only the neediest decides whether
+    a job fits: a few searches instead of one per rank."""
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
     if allocator_setting(alloc_conf)[0] == USER_SETTING:
         settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
     out = {key: {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
-                 "allocated_phase_peaks": {}} for key in sequences}
+                 "allocated_phase_peaks": {}} for key in keys}
     for name, options in settings.items():
-        uncapped = {key: run_requests(requests, **options) for key, requests in sequences.items()}
+        uncapped = {key: run_requests(sequence(key), **options) for key in keys}
         for key, run in uncapped.items():
             out[key]["reserved_peak_bytes"][name] = run.reserved_peak
             out[key]["allocated_peak_bytes"][name] = run.allocated_peak
@@ -630,11 +616,11 @@ def neediest_needs(sequences: dict, alloc_conf: str | None = None) -> dict:
                 phases[phase] = max(phases.get(phase, 0), peak)
             out[key]["allocated_phase_peaks"][name] = phases
         highest = 0
-        for key in sorted(sequences, key=lambda k: -uncapped[k].reserved_peak):
+        for key in sorted(keys, key=lambda k: -uncapped[k].reserved_peak):
             granularity = cap_granularity(uncapped[key].reserved_peak)
             if -(-uncapped[key].reserved_peak // granularity) * granularity < highest:
                 continue  # its cap, at most its reserved peak, is below one found
-            cap = smallest_cap(sequences[key], uncapped=uncapped[key], granularity=granularity, **options)
+            cap = smallest_cap(sequence(key), uncapped=uncapped[key], granularity=granularity, **options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
     return out

@@ -622,10 +622,11 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
         first_with = {}  # a distinct sequence -> the first rank that makes it
         for rank, content in enumerate(contents):
             first_with.setdefault(content, rank)
+
         def sequence(rank: int) -> list:
             return plain_requests(spliced_requests(requests, step_model.rank_requests(rank), tracked_bytes))
-        if allocator_caps == "neediest":
-            needs = neediest_needs({content: sequence(rank) for content, rank in first_with.items()})
+        if allocator_caps == "neediest":  # each sequence made again when replayed, not all held at once
+            needs = neediest_needs(list(first_with), lambda content: sequence(first_with[content]))
         else:
             replayed = sorted(first_with.values(), key=lambda r: -ranks[r]["peak_bytes"])[:ALLOCATOR_REPLAYS]
             needs = {contents[r]: allocator_needs(sequence(r)) for r in replayed}
