@@ -22,6 +22,7 @@ if scaled is not None:
     out["requests"] = len(want)
     out["requests_equal"] = scaled["requests"] == want
     out["first_difference"] = next((i for i, (a, b) in enumerate(zip(scaled["requests"], want)) if a != b), None)
+    out["requests_differing"] = sum(a != b for a, b in zip(scaled["requests"], want))
     from zerolens.predict.peak import rank_outcome
     a, b = rank_outcome(scaled), rank_outcome(whole)
     out["figures_equal"] = {k: a[k] == b[k] for k in ("peak_bytes", "reserved_peak_bytes", "min_allocator_cap_bytes")}
