@@ -560,3 +560,17 @@ def test_an_fsdp2_trace_at_many_ranks_allocates_as_with_every_chunk_made(monkeyp
     monkeypatch.setattr(fsdp2, "chunks_when_read", contextlib.nullcontext)
     whole = traced_rank("fsdp2", PRESETS["gpt-tiny"], settings, rank=99, cuda_capability=(9, 0))[1]
     assert made["requests"] == whole["requests"] and made["phase_peaks"] == whole["phase_peaks"]
+
+
+def test_a_traces_sequence_ends_with_the_trace():
+    """A trace's storages die when its step model is dropped, after the trace: MemTracker still reports each,
+    and they were appended to the record's sequence as frees (every optimizer state freed at its end)."""
+    import gc
+
+    from zerolens.predict.peak import traced_rank
+    settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    _, record = traced_rank("fsdp2", PRESETS["gpt-tiny"], settings, cuda_capability=(9, 0), trace_on="cpu")
+    ended = list(record["requests"])
+    record.pop("step_model")
+    gc.collect()
+    assert record["requests"] == ended

@@ -117,6 +117,14 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
         # allocator's sequence sees a second block.
         deferring = False
         deferred: dict | None = None
+        # After the trace its storages die when its step model is dropped, and MemTracker's callbacks
+        # still call _update_snap: those are no frees of the trace (they had been appended to a record's
+        # sequence after it was returned, up to a free of every optimizer state at the sequence's end).
+        closed = False
+
+        def __exit__(self, *args):
+            self.closed = True
+            return super().__exit__(*args)
 
         def settle(self) -> None:
             """A held-back sum that was not made in place after all: its moment counted now."""
@@ -178,6 +186,8 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
                 self.raise_peak(self._curr_mem_snap)
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            if self.closed:
+                return
             if self.deferred is not None and u_type == _UpdateType.DEL and id(winfo) == self.deferred["first"]:
                 made, self.deferred = self.deferred["made"], None  # made in place: the sum has the first's block
                 if requests is not None and id(made) in live and id(winfo) in live \
