@@ -12,7 +12,7 @@ import time
 import torch
 from torch import nn
 
-from zerolens.commands.workers import InProcess, default_jobs, end_pool, pool
+from zerolens.commands.workers import InProcess, default_jobs, pool
 from zerolens.errors import UserError
 from zerolens.models.model import (
     MIXED_WEIGHTS,
@@ -69,18 +69,14 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
                              gradient_clipping=gradient_clipping)
     traced = param_numels is not None and model_config is not None
     with pool(min(jobs, len(strategies))) if traced and jobs > 1 and len(strategies) > 1 else InProcess() as executor:
-        try:
-            # In a pool, the peaks are traced while this process works out the layouts (seconds at 4096 ranks)
-            peaks = {name: executor.submit(predicted_peaks, name, model_config, settings, cuda_capability)
-                     for name in strategies} if traced else {}
-            for name in strategies:
-                out["strategies"][name] = layout_entry(name, psi, param_numels, param_shapes, world_size, precision,
-                                                       reduce_bucket_size, weight_bytes, trainable)
-            for name, future in peaks.items():
-                add_peaks(out["strategies"][name], name, future.result(), cuda_capability)
-        except BaseException:  # an interrupt among them: no trace may outlive the command
-            end_pool(executor)
-            raise
+        # In a pool, the peaks are traced while this process works out the layouts (seconds at 4096 ranks)
+        peaks = {name: executor.submit(predicted_peaks, name, model_config, settings, cuda_capability)
+                 for name in strategies} if traced else {}
+        for name in strategies:
+            out["strategies"][name] = layout_entry(name, psi, param_numels, param_shapes, world_size, precision,
+                                                   reduce_bucket_size, weight_bytes, trainable)
+        for name, future in peaks.items():
+            add_peaks(out["strategies"][name], name, future.result(), cuda_capability)
     if param_numels is not None and model_config is None:
         for entry in out["strategies"].values():
             entry["peak_not_predicted"] = "--model without --batch: zerolens cannot feed it (give --batch to predict peaks)"

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from zerolens.commands.workers import InProcess, default_jobs, end_pool, pool
+from zerolens.commands.workers import InProcess, default_jobs, pool
 from zerolens.errors import UserError
 from zerolens.models.model import CHECKPOINTABLE_KINDS, parameter_shapes
 from zerolens.predict.peak import target_capability, trace_caveat, trace_device, traced_on
@@ -222,21 +222,19 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
     params = sum(s.numel() for s in parameter_shapes(config.model))
     grid = [(name, ckpt, bucket) for name in config.strategies for ckpt in checkpointing_options(config)
             for bucket in (reduce_bucket_sizes if registry.spec(name).reduce_bucket else [None])]
-    with pool(jobs) if jobs > 1 else InProcess() as executor, \
-            ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else InProcess() as searches:
-        try:
-            if progress:
-                progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
-                         "until one does not fit")
-            walks = {element: executor.submit(micro_batch_walk, config, element, micro_batches, memory, cuda_capability)
-                     for element in grid}
-            depths = ({name: searches.submit(deepest_of, config, name, memory, cuda_capability, executor, walks,
-                                           progress) for name in config.strategies} if depth_search else {})
-            rows, too_large, not_predicted = grid_rows(config, walks, memory, params, progress)
-            deepest = {name: future.result() for name, future in depths.items()}
-        except BaseException:  # an interrupt (SIGINT, SIGTERM) among them: no trace may outlive the command
-            end_pool(executor)
-            raise
+    # The pool inside the searches' threads: left by an interrupt, it ends its workers first (workers.Pool),
+    # their futures fail and the threads, waiting on them, end before the thread pool waits for them.
+    with ThreadPoolExecutor(len(config.strategies)) if jobs > 1 else InProcess() as searches, \
+            pool(jobs) if jobs > 1 else InProcess() as executor:
+        if progress:
+            progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
+                     "until one does not fit")
+        walks = {element: executor.submit(micro_batch_walk, config, element, micro_batches, memory, cuda_capability)
+                 for element in grid}
+        depths = ({name: searches.submit(deepest_of, config, name, memory, cuda_capability, executor, walks,
+                                       progress) for name in config.strategies} if depth_search else {})
+        rows, too_large, not_predicted = grid_rows(config, walks, memory, params, progress)
+        deepest = {name: future.result() for name, future in depths.items()}
     rows.sort(key=cost_key)
     from zerolens.predict.allocator import allocator_setting
     return {"model": config.preset, "params": params, "width": config.model.d_model, "world_size": config.nproc,

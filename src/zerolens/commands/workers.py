@@ -9,10 +9,21 @@ import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 
 
-def pool(jobs: int) -> ProcessPoolExecutor:
+class Pool(ProcessPoolExecutor):
+    """A process pool whose `with`, left by an exception (an interrupt among the traces), ends its workers
+    at once (end_pool): no trace may outlive the command. Left normally, it waits for them as any does."""
+
+    def __exit__(self, exc_type, exc, traceback):
+        if exc_type is None:
+            return super().__exit__(exc_type, exc, traceback)
+        end_pool(self)
+        return False
+
+
+def pool(jobs: int) -> Pool:
     # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=leave_interrupts_to_the_command)
+    return Pool(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                initializer=leave_interrupts_to_the_command)
 
 
 def leave_interrupts_to_the_command() -> None:
@@ -25,8 +36,6 @@ def end_pool(executor) -> None:
     """The pool's workers killed, their traces unfinished: the command was interrupted (SIGINT or SIGTERM), and
     a shutdown that waited would wait for every trace under way, minutes on a large model. Their
     futures then fail, so that plan's depth searches' threads end too."""
-    if not isinstance(executor, ProcessPoolExecutor):
-        return
     kill = getattr(executor, "kill_workers", None)  # Python 3.14
     if kill is not None:
         kill()
