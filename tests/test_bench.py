@@ -267,3 +267,75 @@ def test_fsdp2s_reference_loop_trains_what_fsdp2_trains(tmp_path):
     assert loop["losses"] == mine["losses"] and loop["process_id"] != mine["process_id"]
     fsdp2 = json.loads((out / "bench.json").read_text())["strategies"]["fsdp2"]
     assert fsdp2["reference_loop"].startswith("fully_shard") and fsdp2["harness_overhead_range"][0] is not None
+
+
+def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to():
+    """bench on CUDA defaults to fused AdamW and, for a GPT preset, compiled blocks (issue 25's MFU);
+    --no-fused-adam / --no-compile turn them off; on the CPU, in verify and in maxsize both stay off.
+    A strategy that cannot compile trains the model uncompiled, and its notes say so."""
+    import dataclasses
+
+    from zerolens.cli import ArgumentParser
+    from zerolens.commands import bench, maxsize, verify
+    from zerolens.run.flags import config_from_args
+    from zerolens.strategies import registry
+    parser = ArgumentParser(prog="zerolens")
+    subparsers = parser.add_subparsers(dest="command")
+    for command in (bench, verify, maxsize):
+        command.add_parser(subparsers)
+
+    def resolved(*flags):
+        config = config_from_args(parser.parse_args(list(flags)), gpus_visible=1, checked=True)
+        return config.fused_adam, config.model.compile_blocks
+
+    cuda = ("--nproc", "1", "--device", "cuda")
+    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, True)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-compile") == (True, False)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-fused-adam") == (False, True)
+    assert resolved("bench", *cuda, "--preset", "case-study") == (True, False)  # not a GPT: nothing to compile
+    assert resolved("bench", "--device", "cpu", "--preset", "gpt-tiny") == (False, False)
+    assert resolved("verify", *cuda, "--preset", "gpt-1b") == (False, False)
+    assert resolved("verify", *cuda, "--preset", "gpt-1b", "--compile", "--fused-adam") == (True, True)
+    assert resolved("maxsize", *cuda) == (False, False)
+
+    config = config_from_args(parser.parse_args(["bench", *cuda, "--preset", "gpt-1b", "--strategies", "ddp,zero3"]),
+                              gpus_visible=1, checked=True)
+    assert config.model_for("ddp").compile_blocks and config.compile_note("ddp") is None
+    zero3 = registry.spec("zero3")
+    if zero3.not_compiled:
+        assert not config.model_for("zero3").compile_blocks and zero3.not_compiled in config.compile_note("zero3")
+    uncompiled = dataclasses.replace(config, model=dataclasses.replace(config.model, compile_blocks=False))
+    assert all(uncompiled.compile_note(n) is None for n in registry.names())
+
+
+def test_mfu_is_also_set_against_the_matmul_rate_measured_in_the_run():
+    """Each strategy's processes measure the GPU's matrix-product rate (measure/matmul.py); bench takes the
+    slowest rank's of each process group, the median over them, and sets every strategy's TFLOP/s against
+    it beside the datasheet's MFU. Without a measured rate (the CPU) there is none."""
+    from zerolens.models.model import PRESETS
+    from zerolens.report.bench import bench_summary, bench_terminal_lines, render_bench
+    from zerolens.run.config import RunConfig
+    config = RunConfig(strategies=("ddp", "zero2"), baseline="ddp", nproc=2, device="cuda", precision="bf16", steps=2,
+                       warmup_steps=1, job="bench", preset="gpt-tiny", model=PRESETS["gpt-tiny"])
+
+    def rank_result(name, seconds, rate):
+        return {"name": name, "seconds": [seconds] * 3, "losses": [6.0, 5.0, 4.0], "settings": {}, "notes": [],
+                "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0, "matmul_tflops": rate}
+    params = sum(shape.numel() for shape in parameter_shapes(PRESETS["gpt-tiny"]))
+    rounds = [[[rank_result("ddp", 0.1, 700.0), rank_result("zero2", 0.2, 800.0)],
+               [rank_result("ddp", 0.1, 600.0), rank_result("zero2", 0.2, 720.0)]]]
+    summary = bench_summary(config, rounds, params, "NVIDIA H200", {})
+    assert summary["measured_matmul_tflops"] == pytest.approx(660.0)  # median of the slowest ranks' 600 and 720
+    for name in ("ddp", "zero2"):
+        s = summary["strategies"][name]
+        assert s["mfu_vs_measured_matmul"] == pytest.approx(s["tflops_per_gpu"] / 660.0)
+        assert s["mfu_vs_measured_matmul"] > s["mfu"]  # 660 TFLOP/s measured, 989.4 on the datasheet
+    line = "Against the matrix-product rate measured in this run, 660.0 TFLOP/s"
+    assert line in " ".join(render_bench(summary, "zerolens bench").split())
+    assert any(line in str(text) for text in bench_terminal_lines(summary, Path("out")))
+    rounds[0][1][0]["matmul_tflops"] = None  # a process group without a measured rate is left out
+    assert bench_summary(config, rounds, params, "NVIDIA H200", {})["measured_matmul_tflops"] == pytest.approx(720.0)
+    cpu = bench_summary(dataclasses.replace(config, device="cpu"), [[[rank_result("ddp", 0.1, None),
+                                                                     rank_result("zero2", 0.2, None)]] * 2],
+                        params, "cpu", {})
+    assert cpu["measured_matmul_tflops"] is None and cpu["strategies"]["ddp"]["mfu_vs_measured_matmul"] is None

@@ -133,7 +133,12 @@ def test_a_single_rank_verify_and_bench_on_one_gpu(tmp_path):
     result = zerolens("bench", "--preset", "gpt-tiny", "--nproc", "1", "--device", "cuda", "--warmup", "1",
                       "--steps", "3", "--out", str(bench), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert all(s["peak_bytes"] > 0 for s in json.loads((bench / "bench.json").read_text())["strategies"].values())
+    summary = json.loads((bench / "bench.json").read_text())
+    assert all(s["peak_bytes"] > 0 for s in summary["strategies"].values())
+    # bench's defaults on a GPU: fused AdamW, the preset's blocks compiled; MFU also against the measured rate
+    assert summary["model"]["compile_blocks"] and "fused" in summary["strategies"]["ddp"]["settings"]["optimizer"]
+    assert summary["measured_matmul_tflops"] > 0
+    assert all(0 < s["mfu_vs_measured_matmul"] for s in summary["strategies"].values())
 
 
 @pytest.mark.gpu(1)

@@ -15,6 +15,7 @@ from statistics import median
 
 from zerolens.models.data import make_batch
 from zerolens.models.flops import flops_per_token
+from zerolens.measure.matmul import SIZE
 from zerolens.report.tables import SCHEMA_VERSION, markdown_table
 from zerolens.strategies import registry
 from zerolens.strategies.base import PHASES
@@ -113,6 +114,11 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
     if peak_tflops is None:
         peak_tflops = datasheet_peak(device_name, config.precision) if config.device == "cuda" else None
         peak_source = f"NVIDIA datasheet, {device_name}, dense {config.precision}" if peak_tflops else None
+    # Each strategy's processes measured the GPU's matrix-product rate after training (measure/matmul.py):
+    # the slowest rank's in each, the median over them
+    measured_rates = [min(rates) for gathered in rounds for i in range(len(config.strategies))
+                      if None not in (rates := [gathered[r][i].get("matmul_tflops") for r in range(config.nproc)])]
+    matmul_rate = median(measured_rates) if measured_rates else None
     timed = {name: [round_steps(config, [gathered[r][i] for r in range(config.nproc)]) for gathered in rounds]
              for i, name in enumerate(config.strategies)}
     strategies = {}
@@ -135,6 +141,7 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
             "phase_seconds": phase_breakdown(step_times, [p for steps in timed[name] for p in steps["timed_phases"]]),
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
             "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
+            "mfu_vs_measured_matmul": tflops / matmul_rate if matmul_rate and tflops else None,
             "peak_bytes": peak,
             "peak_bytes_per_rank": peaks if not earlier else [None] * len(peaks),
             "setup_peak_bytes_per_rank": [r["setup_peak_bytes"] for r in per_rank] if not earlier else None,
@@ -167,6 +174,9 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
             "warmup_steps": config.warmup_steps, "timed_steps": config.steps, "rounds_run": len(rounds),
             "flops_per_token": per_token, "flop_count": counted["flop_count"],
             "peak_tflops": peak_tflops, "peak_tflops_source": peak_source,
+            "measured_matmul_tflops": matmul_rate,
+            "measured_matmul": (f"{SIZE} x {SIZE} products in {config.precision}, in each strategy's processes after "
+                                "its training (the slowest rank's), median over them") if matmul_rate else None,
             "versions": versions, "strategies": strategies,
             "rounds": [{"round": k + 1, "strategy": name, "step_time_s": median(timed[name][k]["timed"]),
                         "step_times_s": timed[name][k]["timed"], "warmup_step_times_s": timed[name][k]["warmup"],
@@ -229,6 +239,8 @@ def render_bench(summary: dict, command: str) -> str:
                    if summary.get("grad_accum", 1) > 1 else "")
     mfu = (f"MFU divides by {summary['peak_tflops']} TFLOP/s ({summary['peak_tflops_source']})."
            if summary["peak_tflops"] else "No MFU: no peak FLOP/s is known for this device (give --peak-tflops).")
+    if summary.get("measured_matmul_tflops"):
+        mfu += " " + measured_mfu_text(summary)
     peak = ("Peak: the CUDA allocator's peak over all steps, warm-up included; the largest rank."
             if summary["device"] == "cuda" else
             "Peak: the last warm-up step's (not a timed one), every tensor followed by torch's MemTracker as "
@@ -317,6 +329,14 @@ def overhead_text(s: dict) -> str:
     return f"{s['harness_overhead']:+.2%}" + ("" if low == high else f" ({low:+.2%} to {high:+.2%})")
 
 
+def measured_mfu_text(summary: dict) -> str:
+    """MFU against the matrix-product rate measured in the run, one sentence."""
+    return (f"Against the matrix-product rate measured in this run, {summary['measured_matmul_tflops']:.1f} TFLOP/s "
+            f"({summary['measured_matmul']}): " + ", ".join(
+                f"{name} {s['mfu_vs_measured_matmul']:.1%}" for name, s in summary["strategies"].items()
+                if s.get("mfu_vs_measured_matmul") is not None) + ".")
+
+
 def rounds_text(summary: dict) -> str:
     rounds = summary.get("rounds_run", 1)
     if rounds == 1:
@@ -350,6 +370,7 @@ def bench_terminal_lines(summary: dict, out) -> list:
             f"median of {steps}, the slowest rank's; vs {REFERENCE}: {ratios}; peak: the largest rank's, {where}.",
             terminal_table(["strategy", "step (ms)", f"vs {REFERENCE}", "tokens/s", "MFU", f"peak {label}",
                             f"vs {REFERENCE}", f"predicted {label}"], rows, right={1, 2, 3, 4, 5, 6, 7}),
+            *([measured_mfu_text(summary)] if summary.get("measured_matmul_tflops") else []),
             *(["The harness's overhead against loops written without zerolens: " + ", ".join(
                 f"{name} {overhead_text(s)}" for name, s in strategies.items() if "harness_overhead" in s) + "."]
               if any("harness_overhead" in s for s in strategies.values()) else []),

@@ -126,6 +126,20 @@ class RunConfig:
                  for n in (name, reference_of(name) if self.reference_loops else None) if n is not None]
         return [(r, name) for r in range(self.rounds) for name in names]
 
+    def model_for(self, strategy: str) -> ModelConfig:
+        """The model `strategy` trains: the run's, but with its blocks not compiled under a strategy that
+        cannot compile them (registry's not_compiled; said in its notes, compile_note)."""
+        if self.model.compile_blocks and registry.spec(strategy).not_compiled:
+            return dataclasses.replace(self.model, compile_blocks=False)
+        return self.model
+
+    def compile_note(self, strategy: str) -> str | None:
+        """Why `strategy` trains the model without the compiled blocks the run asked for, if it does."""
+        reason = registry.spec(strategy).not_compiled
+        if self.model.compile_blocks and reason:
+            return f"blocks not compiled under {strategy}: {reason}; measured without"
+        return None
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 

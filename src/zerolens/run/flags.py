@@ -76,8 +76,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="GPT presets: recompute each block in backward instead of keeping its activations")
-    parser.add_argument("--compile", action="store_true",
-                        help="GPT presets: torch.compile each block (faster steps after a compile of about a minute)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="GPT presets: torch.compile each block (faster steps after a compile of about a minute; "
+                             "default: on in bench on GPUs, else off)")
     if trains:
         parser.add_argument("--lr", type=float, default=None,
                             help="AdamW learning rate (default: the preset's, 1e-4 for case-study)")
@@ -96,8 +97,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--gradient-clipping", type=float, default=1.0,
                         help="global gradient-norm clipping for every strategy; 0 turns it off "
                              "(default 1.0, DeepSpeed's own default)")
-    parser.add_argument("--fused-adam", action="store_true",
-                        help="torch's fused AdamW kernel for every strategy (default: torch's foreach AdamW)")
+    parser.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch's fused AdamW kernel for every strategy (default: on in bench on GPUs, else "
+                             "torch's foreach AdamW)")
     parser.add_argument("--ds-config", default=None, metavar="FILE",
                         help="your DeepSpeed JSON config for the zero strategies; \"auto\" values are filled from "
                              "zerolens's settings, the stage comes from the strategy")
@@ -238,6 +240,14 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         # Not an error: the figures are the same, only slower; but a user waiting should know why.
         device_note = (f"{nproc} CPU processes on {os.cpu_count()} cores: they take turns, so steps are slower than "
                        "on as many cores; the memory figures are the same")
+    # bench's defaults on GPUs are what fast training runs (issue 25): fused AdamW, and a GPT preset's
+    # blocks compiled; --no-fused-adam / --no-compile for torch's defaults. Elsewhere both are off:
+    # verify's figures are measured with foreach AdamW, and a compiled model's peak is not predicted.
+    fast = job_of(args) == "bench" and device == "cuda"
+    if args.fused_adam is None:
+        args.fused_adam = fast
+    if args.compile is None:
+        args.compile = fast and not args.model and PRESETS[args.preset].kind == "gpt"
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""
@@ -250,7 +260,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
             note = (f"CPU run: DeepSpeed has no {gpu_precision} on CPU, so bf16 is used instead of {model}'s "
                     f"{gpu_precision}" if registry.needing_deepspeed(strategies) else
                     f"CPU run: bf16 is used, where a GPU run of {model} trains in {gpu_precision}")
-    job = getattr(args, "job", "verify")
+    job = job_of(args)
     # verify has no warm-up; bench's default is 3 untimed steps.
     warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
     micro_batch = micro_batch_of(args, nproc)
@@ -274,6 +284,10 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     if not checked:
         check_config(config, gpus_visible=gpus if world_size is None else None)
     return config
+
+
+def job_of(args: argparse.Namespace) -> str:
+    return getattr(args, "job", "verify")
 
 
 def visible_gpus() -> int:

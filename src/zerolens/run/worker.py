@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from zerolens.errors import UserError
 from zerolens.measure.allocator import clear_cublas_workspaces
+from zerolens.measure.matmul import matmul_tflops
 from zerolens.measure.probe import MemoryProbe
 from zerolens.measure.timer import StepTimer
 from zerolens.models.data import rank_batches
@@ -51,7 +52,7 @@ from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
 from zerolens.run.reference import PREFIX as REFERENCE_PREFIX
 from zerolens.run.reference import reference_of, run_reference
 from zerolens.run.train import Heartbeat, Phase, train
-from zerolens.strategies import make_strategy, registry
+from zerolens.strategies import DTYPES, make_strategy, registry
 from zerolens.strategies.base import PHASES
 from zerolens.units import size
 
@@ -225,11 +226,14 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
              else MemoryProbe(device, backend_code=registry.spec(name).transient_code, earlier_left=earlier_left))
     batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
                            rank=dist.get_rank(), world_size=dist.get_world_size())
-    run = train(strategy, model_config=config.model, seed=config.seed, batches=batches, device=device, phase=phase,
+    run = train(strategy, model_config=config.model_for(name), seed=config.seed, batches=batches, device=device, phase=phase,
                 steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe,
                 grad_accum=config.grad_accum)
+    run.notes += [n for n in [config.compile_note(name)] if n]
     if bench:
-        return {"name": name, "process_id": os.getpid(), "seconds": [r["seconds"] for r in run.records],
+        # After the training and its measurements, so that its memory is in none of them
+        measured_matmul = matmul_tflops(device, DTYPES[config.precision]) if device.type == "cuda" else None
+        return {"name": name, "process_id": os.getpid(), "matmul_tflops": measured_matmul, "seconds": [r["seconds"] for r in run.records],
                 "phase_seconds": [{p: r.get(f"seconds_{p}") for p in PHASES} for r in run.records],
                 "losses": run.losses,
                 "settings": strategy.describe(), "notes": run.notes, **run.measured}
@@ -401,9 +405,11 @@ def print_header(config: RunConfig, out: Path) -> None:
     if config.job == "bench":
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
+        kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
+                            + ["blocks compiled"] * config.model.compile_blocks)
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"
-            f"{rounds}{references}", f"run folder: {out}")
+            f"{rounds}{references}; {kernels}", f"run folder: {out}")
     else:
         say(f"zerolens verify: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.steps} steps{accumulated}", f"run folder: {out}")

@@ -69,6 +69,8 @@ class StrategySpec:
     # Why its allocations do not repeat alike per block, where they were seen not to on every model tried
     # (predict/depths.py then traces it at the model's depth without first tracing five shallow ones)
     not_depth_scaled: str | None = None
+    # Why bench does not compile the GPT presets' blocks under it, where it cannot (bench's --compile)
+    not_compiled: str | None = None
 
     def backend_class(self):
         module, _, cls = self.backend.partition(":")
