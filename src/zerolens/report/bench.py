@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from statistics import median
 
+from zerolens.measure.matmul import SIZE
 from zerolens.models.data import make_batch
 from zerolens.models.flops import flops_per_token
-from zerolens.measure.matmul import SIZE
 from zerolens.report.tables import SCHEMA_VERSION, markdown_table
 from zerolens.strategies import registry
 from zerolens.strategies.base import PHASES

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn as nn
 
-from zerolens.models.model import PRESETS, build_model, training_flops_per_token, num_params
+from zerolens.models.model import PRESETS, build_model, num_params, training_flops_per_token
 
 DATASHEET = 989.4e12
 
