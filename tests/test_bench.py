@@ -286,24 +286,23 @@ def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to():
 
     def resolved(*flags):
         config = config_from_args(parser.parse_args(list(flags)), gpus_visible=1, checked=True)
-        return config.fused_adam, config.model.compile_blocks
+        return config.fused_adam, config.model.compile_blocks, config.micro_batch
 
     cuda = ("--nproc", "1", "--device", "cuda")
-    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, True)
-    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-compile") == (True, False)
-    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-fused-adam") == (False, True)
-    assert resolved("bench", *cuda, "--preset", "case-study") == (True, False)  # not a GPT: nothing to compile
-    assert resolved("bench", "--device", "cpu", "--preset", "gpt-tiny") == (False, False)
-    assert resolved("verify", *cuda, "--preset", "gpt-1b") == (False, False)
-    assert resolved("verify", *cuda, "--preset", "gpt-1b", "--compile", "--fused-adam") == (True, True)
-    assert resolved("maxsize", *cuda) == (False, False)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, True, 16)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-compile", "--micro-batch", "4") == (True, False, 4)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-fused-adam") == (False, True, 16)
+    assert resolved("bench", *cuda, "--preset", "case-study") == (True, False, 8)  # not a GPT: nothing to compile
+    assert resolved("bench", "--device", "cpu", "--preset", "gpt-tiny") == (False, False, 8)
+    assert resolved("verify", *cuda, "--preset", "gpt-1b") == (False, False, 8)
+    assert resolved("verify", *cuda, "--preset", "gpt-1b", "--compile", "--fused-adam") == (True, True, 8)
+    assert resolved("maxsize", *cuda) == (False, False, 8)
 
     config = config_from_args(parser.parse_args(["bench", *cuda, "--preset", "gpt-1b", "--strategies", "ddp,zero3"]),
                               gpus_visible=1, checked=True)
     assert config.model_for("ddp").compile_blocks and config.compile_note("ddp") is None
-    zero3 = registry.spec("zero3")
-    if zero3.not_compiled:
-        assert not config.model_for("zero3").compile_blocks and zero3.not_compiled in config.compile_note("zero3")
+    assert not config.model_for("zero3").compile_blocks
+    assert registry.spec("zero3").not_compiled in config.compile_note("zero3")
     uncompiled = dataclasses.replace(config, model=dataclasses.replace(config.model, compile_blocks=False))
     assert all(uncompiled.compile_note(n) is None for n in registry.names())
 

@@ -130,8 +130,10 @@ def test_a_single_rank_verify_and_bench_on_one_gpu(tmp_path):
     peak_checks = [c for c in summary["checks"] if c["name"].startswith(("peak replayed", "peak as predicted"))]
     assert len(peak_checks) == 2 * 3 + 2 and all(c["passed"] for c in peak_checks)  # 2 strategies: 3 phases + 1
     bench = tmp_path / "bench"
+    # Two rounds: interleaved rounds on a GPU, each process compiling the blocks (bench's default there);
+    # the rounds' arithmetic is tested on the CPU (test_bench.py).
     result = zerolens("bench", "--preset", "gpt-tiny", "--nproc", "1", "--device", "cuda", "--warmup", "1",
-                      "--steps", "3", "--out", str(bench), timeout=600)
+                      "--steps", "3", "--rounds", "2", "--out", str(bench), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((bench / "bench.json").read_text())
     assert all(s["peak_bytes"] > 0 for s in summary["strategies"].values())

@@ -189,9 +189,9 @@ def add_parser(subparsers) -> None:
                                           "without running out of GPU memory: short bench runs, one per depth tried.")
     add_verify_arguments(p)
     add_bench_arguments(p)
-    # Not bench's fast defaults: a trial is two steps, which a compile of the blocks would outlast many times.
+    # Not bench's speed defaults (flags.py): a trial is two steps, which a compile of the blocks would outlast.
     p.set_defaults(func=command, job="bench", strategies=",".join(registry.BENCH_DEFAULT), preset="gpt-1b",
-                   compile=False, fused_adam=False)
+                   speed_defaults=False)
 
 
 def command(args: argparse.Namespace, argv: list[str]) -> int:
