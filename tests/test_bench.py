@@ -319,7 +319,9 @@ def test_mfu_is_also_set_against_the_matmul_rate_measured_in_the_run():
 
     def rank_result(name, seconds, rate):
         return {"name": name, "seconds": [seconds] * 3, "losses": [6.0, 5.0, 4.0], "settings": {}, "notes": [],
-                "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0, "matmul_tflops": rate}
+                "peak_bytes": 2000, "setup_peak_bytes": 10, "allocated_at_start_bytes": 0, "matmul_tflops": rate,
+                "phase_seconds": [{"forward": seconds / 4, "backward": seconds / 2, "step": seconds / 8}] * 3,
+                "communication": None if rate is None else {"communication": 0.003, "communication_not_overlapped": 0.001}}
     params = sum(shape.numel() for shape in parameter_shapes(PRESETS["gpt-tiny"]))
     rounds = [[[rank_result("ddp", 0.1, 700.0), rank_result("zero2", 0.2, 800.0)],
                [rank_result("ddp", 0.1, 600.0), rank_result("zero2", 0.2, 720.0)]]]
@@ -332,6 +334,9 @@ def test_mfu_is_also_set_against_the_matmul_rate_measured_in_the_run():
     line = "Against the matrix-product rate measured in this run, 660.0 TFLOP/s"
     assert line in " ".join(render_bench(summary, "zerolens bench").split())
     assert any(line in str(text) for text in bench_terminal_lines(summary, Path("out")))
+    # the profiled warm-up step's communication, in the breakdown
+    assert summary["strategies"]["zero2"]["communication_not_overlapped_s"] == 0.001
+    assert "| zero2 | 50.0 | 100.0 | 25.0 | 25.0 | 3.0 | 1.0 |" in render_bench(summary, "zerolens bench")
     rounds[0][1][0]["matmul_tflops"] = None  # a process group without a measured rate is left out
     assert bench_summary(config, rounds, params, "NVIDIA H200", {})["measured_matmul_tflops"] == pytest.approx(720.0)
     cpu = bench_summary(dataclasses.replace(config, device="cpu"), [[[rank_result("ddp", 0.1, None),

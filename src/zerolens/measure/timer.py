@@ -8,12 +8,15 @@ import time
 import torch
 
 from zerolens.measure.census import keep_highest
+from zerolens.measure.overlap import kernel_timeline
 
 
 class StepTimer:
     """bench's probe for the training loop (train.train): each step timed between two synchronisations
     (the GPU's queue drained before and after), the allocator's peak after setup and over the steps.
-    It measures nothing else, so the steps run as they would without zerolens. The CPU has no
+    It measures nothing else, so the steps run as they would without zerolens; on CUDA the last warm-up
+    step, which is not timed, runs under torch's profiler for how much communication it leaves exposed
+    (measure/overlap.py). The CPU has no
     allocator to ask: there the last warm-up step, which is not timed, is followed by torch's
     MemTracker (as verify's last step is) for its peak per phase."""
 
@@ -48,6 +51,16 @@ class StepTimer:
             with self.tracked_step(strategy, batch):
                 yield
             record["seconds"] = time.perf_counter() - start  # a warm-up step's: no timing reads it
+            return
+        if record["step"] == self.warmup_steps - 1:  # CUDA's last warm-up step: its kernels' timeline
+            synchronize(self.device)
+            start = time.perf_counter()
+            with kernel_timeline() as timeline:
+                yield
+            record["seconds"] = time.perf_counter() - start  # a warm-up step's: no timing reads it
+            record["communication_seconds"] = timeline.communication_s
+            record["communication_not_overlapped_seconds"] = timeline.not_overlapped_s
+            self.phase_events = []
             return
         synchronize(self.device)
         start = time.perf_counter()

@@ -139,6 +139,7 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
             "warmup_step_times_s": timed[name][0]["warmup"],
             "round_step_times_s": [median(steps["timed"]) for steps in timed[name]],
             "phase_seconds": phase_breakdown(step_times, [p for steps in timed[name] for p in steps["timed_phases"]]),
+            **communication_of(per_rank),
             "tokens_per_s": tokens_per_step / step_time, "tflops_per_gpu": tflops,
             "mfu": tflops / peak_tflops if peak_tflops and tflops else None,
             "mfu_vs_measured_matmul": tflops / matmul_rate if matmul_rate and tflops else None,
@@ -182,6 +183,15 @@ def bench_summary(config, rounds: list[list[list[dict]]], params: int, device_na
                         "step_times_s": timed[name][k]["timed"], "warmup_step_times_s": timed[name][k]["warmup"],
                         "process_ids": [rounds[k][rank][i].get("process_id") for rank in range(config.nproc)]}
                        for k in range(len(rounds)) for i, name in enumerate(config.strategies)]}
+
+
+def communication_of(per_rank: list[dict]) -> dict:
+    """Seconds of communication kernels in the profiled warm-up step (measure/overlap.py), and of those
+    no computation overlapped: the largest rank's of each; None where no step was profiled (the CPU, or
+    no warm-up step)."""
+    found = [r["communication"] for r in per_rank if r.get("communication")]
+    return {f"{key}_s": max(c[key] for c in found) if len(found) == len(per_rank) else None
+            for key in ("communication", "communication_not_overlapped")}
 
 
 def round_steps(config, per_rank: list[dict]) -> dict[str, list]:
@@ -266,12 +276,19 @@ def render_bench(summary: dict, command: str) -> str:
               f"{measured_where} (MiB), and the prediction's error.\n\n"
               + markdown_table(["strategy", "rank", "phase", "predicted", "measured", "error"], phase_rows) + "\n"
               if phase_rows else "")
-    breakdown_rows = [[name, *(f"{s['phase_seconds'][part] * 1e3:.1f}" for part in (*PHASES, "other"))]
+    profiled = any(s.get("communication_s") is not None for s in summary["strategies"].values())
+    breakdown_rows = [[name, *(f"{s['phase_seconds'][part] * 1e3:.1f}" for part in (*PHASES, "other")),
+                       *([ms(s.get("communication_s")), ms(s.get("communication_not_overlapped_s"))] if profiled else [])]
                       for name, s in summary["strategies"].items() if s.get("phase_seconds")]
     breakdown = ("\n## Where a step's time goes\n\nMedian over the timed steps (ms) of the slowest rank's time in each "
                  "phase: on CUDA on the GPU's timeline, between events recorded into the stream; on the CPU the "
-                 "host's. \"other\": the rest of the step (zeroing gradients, the loop's own work).\n\n"
-                 + markdown_table(["strategy", *PHASES, "other"], breakdown_rows) + "\n" if breakdown_rows else "")
+                 "host's. \"other\": the rest of the step (zeroing gradients, the loop's own work)."
+                 + (" \"communication\": the time NCCL's kernels ran in the last warm-up step, profiled with "
+                    "torch.profiler (never a timed step), and \"not overlapped\": how much of it no computation "
+                    "kernel ran beside, the largest rank's." if profiled else "") + "\n\n"
+                 + markdown_table(["strategy", *PHASES, "other", *(["communication", "not overlapped"] if profiled
+                                                                  else [])], breakdown_rows) + "\n"
+                 if breakdown_rows else "")
     overhead_rows = [[name, s["reference_loop"], f"{s['step_time_s'] * 1e3:.1f}",
                       f"{median(s['reference_round_step_times_s']) * 1e3:.1f}", overhead_text(s)]
                      for name, s in summary["strategies"].items() if "harness_overhead" in s]
@@ -304,6 +321,10 @@ each step's slowest rank{rounds_text(summary)}. {flops} {mfu}
 {breakdown}{overheads}{phases}
 {"Notes:" + notes if notes else ""}
 """
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _ratio(value: float | None) -> str:
