@@ -5,7 +5,7 @@ computation does. That is the "communication not overlapped" of the step-time br
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,8 +51,6 @@ class KernelTimeline:
     overlapped by any computation kernel."""
     communication_s: float | None = None
     not_overlapped_s: float | None = None
-    kernels: int = 0
-    names: set = field(default_factory=set)
 
 
 @contextlib.contextmanager
@@ -69,6 +67,5 @@ def kernel_timeline():
             continue
         interval = (event.time_range.start / 1e6, event.time_range.end / 1e6)  # microseconds to seconds
         (communication if is_communication(event.name) else computation).append(interval)
-        timeline.kernels += 1
     timeline.communication_s = length(merged(communication))
     timeline.not_overlapped_s = not_overlapped(communication, computation)

@@ -14,11 +14,10 @@ from zerolens.measure.overlap import kernel_timeline
 class StepTimer:
     """bench's probe for the training loop (train.train): each step timed between two synchronisations
     (the GPU's queue drained before and after), the allocator's peak after setup and over the steps.
-    It measures nothing else, so the steps run as they would without zerolens; on CUDA the last warm-up
+    It measures nothing else, so the steps run as they would without zerolens. On CUDA the last warm-up
     step, which is not timed, runs under torch's profiler for how much communication it leaves exposed
-    (measure/overlap.py). The CPU has no
-    allocator to ask: there the last warm-up step, which is not timed, is followed by torch's
-    MemTracker (as verify's last step is) for its peak per phase."""
+    (measure/overlap.py). The CPU has no allocator to ask: there the last warm-up step is followed by
+    torch's MemTracker (as verify's last step is) for its peak per phase."""
 
     def __init__(self, device: torch.device, warmup_steps: int):
         self.device, self.warmup_steps = device, warmup_steps
