@@ -134,9 +134,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: cap the memory each rank's allocator may use, as on a smaller GPU")
 
 
-def model_from_args(args: argparse.Namespace) -> ModelConfig:
+def model_from_args(args: argparse.Namespace, compile_blocks: bool | None = None) -> ModelConfig:
     """The preset, with any of --width/--depth/--heads/--seq-len applied (a GPT's MLP stays 4x wide),
-    or the user's model, or a Hugging Face one (--model hf:...)."""
+    or the user's model, or a Hugging Face one (--model hf:...). `compile_blocks`: --compile as resolved
+    (config_from_args), where not the flag itself."""
     if getattr(args, "model", None) and args.model.startswith(HF_PREFIX):
         return hf_model_from_args(args)
     if getattr(args, "model", None):
@@ -151,7 +152,7 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
             changes[name] = value
     if args.activation_checkpointing:
         changes["activation_checkpointing"] = True
-    if args.compile:
+    if args.compile if compile_blocks is None else compile_blocks:
         changes["compile_blocks"] = True
     if "d_model" in changes and model.kind == "gpt":
         changes["ffn_dim"] = 4 * changes["d_model"]
@@ -200,11 +201,11 @@ def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(kind="user", factory=args.model, batch=args.batch, shift_labels=causal_lm)
 
 
-def micro_batch_of(args: argparse.Namespace, nproc: int) -> int:
+def micro_batch_of(args: argparse.Namespace, nproc: int, default: int = MICRO_BATCH) -> int:
     """Samples per rank per micro-batch: --global-batch over the ranks and the micro-batches each
-    accumulates (--grad-accum), else --micro-batch."""
+    accumulates (--grad-accum), else --micro-batch, else `default`."""
     if args.global_batch is None:
-        return args.micro_batch
+        return default if args.micro_batch is None else args.micro_batch
     if args.global_batch < 1:
         raise UserError(f"--global-batch must be at least 1, got {args.global_batch}")
     accumulated = max(1, args.grad_accum)  # a --grad-accum below 1 is said by RunConfig
@@ -254,12 +255,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     # foreach AdamW, and a compiled model's peak is not predicted.
     fast = getattr(args, "speed_defaults", job_of(args) == "bench") and device == "cuda"
     gpt_preset = not args.model and PRESETS[args.preset].kind == "gpt"
-    if args.fused_adam is None:
-        args.fused_adam = fast
-    if args.compile is None:
-        args.compile = fast and gpt_preset
-    if args.micro_batch is None:
-        args.micro_batch = BENCH_GPU_MICRO_BATCH if fast and gpt_preset else MICRO_BATCH
+    fused_adam = fast if args.fused_adam is None else args.fused_adam
+    compile_blocks = fast and gpt_preset if args.compile is None else args.compile
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""
@@ -275,7 +272,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     job = job_of(args)
     # verify has no warm-up; bench's default is 3 untimed steps.
     warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
-    micro_batch = micro_batch_of(args, nproc)
+    micro_batch = micro_batch_of(args, nproc, default=BENCH_GPU_MICRO_BATCH if fast and gpt_preset else MICRO_BATCH)
     ds_config, ds_override = ds_config_from_file(args.ds_config), ds_override_from_json(args.ds_override)
     reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
     persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
@@ -284,13 +281,13 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                        precision=precision, precision_note=note, device_note=device_note, steps=args.steps, seed=args.seed,
                        micro_batch=micro_batch, grad_accum=args.grad_accum, reduce_bucket_size=reduce_bucket_size,
                        param_persistence_threshold=persistence,
-                       gradient_clipping=args.gradient_clipping, fused_adam=args.fused_adam,
+                       gradient_clipping=args.gradient_clipping, fused_adam=fused_adam,
                        ds_override=ds_override, ds_config=ds_config, ds_config_path=args.ds_config,
                        job=job, warmup_steps=warmup, rounds=getattr(args, "rounds", 1),
                        reference_loops=job == "bench" and not getattr(args, "no_reference", True),
                        peak_tflops=getattr(args, "peak_tflops", None),
                        memory_limit_gib=getattr(args, "memory_limit_gib", None),
-                       preset=args.model or args.preset, model=model_from_args(args), out=args.out,
+                       preset=args.model or args.preset, model=model_from_args(args, compile_blocks=compile_blocks), out=args.out,
                        verbose=args.verbose, timeout=getattr(args, "timeout", None),
                        lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
     if not checked:
