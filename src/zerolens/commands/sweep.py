@@ -318,7 +318,8 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         base = config_from_args(argparse.Namespace(**{**vars(args), "preset": preset, "nproc": ns[0]}), checked=True)
         for n in ns:
             for bucket in buckets:
-                points.append(replace(base, nproc=n, micro_batch=micro_batch_of(args, n, default=base.micro_batch), reduce_bucket_size=bucket))
+                points.append(replace(base, nproc=n, micro_batch=micro_batch_of(args, n, default=base.micro_batch),
+                                      reduce_bucket_size=bucket))
     for point in points:
         check_config(point, gpus_visible=visible_gpus())
     out = run_folder(points[0], args.overwrite)

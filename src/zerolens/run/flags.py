@@ -272,7 +272,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     job = job_of(args)
     # verify has no warm-up; bench's default is 3 untimed steps.
     warmup = 0 if job == "verify" else (args.warmup if args.warmup is not None else 3)
-    micro_batch = micro_batch_of(args, nproc, default=BENCH_GPU_MICRO_BATCH if fast and gpt_preset else MICRO_BATCH)
+    micro_batch = micro_batch_of(args, nproc,
+                                 default=BENCH_GPU_MICRO_BATCH if fast and gpt_preset else MICRO_BATCH)
     ds_config, ds_override = ds_config_from_file(args.ds_config), ds_override_from_json(args.ds_override)
     reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
     persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
@@ -287,7 +288,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                        reference_loops=job == "bench" and not getattr(args, "no_reference", True),
                        peak_tflops=getattr(args, "peak_tflops", None),
                        memory_limit_gib=getattr(args, "memory_limit_gib", None),
-                       preset=args.model or args.preset, model=model_from_args(args, compile_blocks=compile_blocks), out=args.out,
+                       preset=args.model or args.preset, model=model_from_args(args, compile_blocks=compile_blocks),
+                       out=args.out,
                        verbose=args.verbose, timeout=getattr(args, "timeout", None),
                        lr=args.lr if args.lr is not None else PRESET_LR.get(None if args.model else args.preset, 1e-4))
     if not checked:

@@ -226,14 +226,15 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
              else MemoryProbe(device, backend_code=registry.spec(name).transient_code, earlier_left=earlier_left))
     batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
                            rank=dist.get_rank(), world_size=dist.get_world_size())
-    run = train(strategy, model_config=config.model_for(name), seed=config.seed, batches=batches, device=device, phase=phase,
-                steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe,
+    run = train(strategy, model_config=config.model_for(name), seed=config.seed, batches=batches, device=device,
+                phase=phase, steps=config.warmup_steps + config.steps if bench else config.steps, probe=probe,
                 grad_accum=config.grad_accum)
     run.notes += [n for n in [config.compile_note(name)] if n]
     if bench:
         # After the training and its measurements, so that its memory is in none of them
         measured_matmul = matmul_tflops(device, DTYPES[config.precision]) if device.type == "cuda" else None
-        return {"name": name, "process_id": os.getpid(), "matmul_tflops": measured_matmul, "seconds": [r["seconds"] for r in run.records],
+        return {"name": name, "process_id": os.getpid(), "matmul_tflops": measured_matmul,
+                "seconds": [r["seconds"] for r in run.records],
                 "phase_seconds": [{p: r.get(f"seconds_{p}") for p in PHASES} for r in run.records],
                 "communication": next(({k: r[f"{k}_seconds"] for k in ("communication", "communication_not_overlapped")}
                                        for r in run.records if "communication_seconds" in r), None),

@@ -233,8 +233,9 @@ register(StrategySpec(
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
     not_depth_scaled="ZeRO-3's prefetch keeps a window of blocks' parameters alive: its frees do not move alike "
                      "with each block",
-    not_compiled="DeepSpeed ZeRO-3 gathers each block's parameters in hooks around its forward, which a compiled block "
-                 "would trace (DeepSpeed compiles ZeRO-3 through its own engine.compile(), which zerolens does not run)",
+    not_compiled="not tried: DeepSpeed ZeRO-3 gathers each block's parameters in hooks around its forward, which "
+                 "torch.compile of the block would have to trace; DeepSpeed compiles ZeRO-3 through its own "
+                 "engine.compile(), which zerolens does not run",
     unpadded=lambda psi, n, e: (e * psi / n, e * psi / n, 12 * psi / n, 0),
     # 16-bit weights all-gathered in forward and again in backward; gradients reduce-scattered.
     communication=lambda psi, n, e: 3 * ring(e * psi, n)))
