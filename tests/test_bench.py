@@ -269,16 +269,19 @@ def test_fsdp2s_reference_loop_trains_what_fsdp2_trains(tmp_path):
     assert fsdp2["reference_loop"].startswith("fully_shard") and fsdp2["harness_overhead_range"][0] is not None
 
 
-def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to():
+def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to(monkeypatch):
     """bench on CUDA defaults to fused AdamW and, for a GPT preset, compiled blocks (issue 25's MFU);
     --no-fused-adam / --no-compile turn them off; on the CPU, in verify and in maxsize both stay off.
-    A strategy that cannot compile trains the model uncompiled, and its notes say so."""
+    A strategy that cannot compile trains the model uncompiled, and its notes say so; where torch.compile
+    has no GPU backend (no Triton) the blocks are not compiled unless --compile says so."""
     import dataclasses
 
     from zerolens.cli import ArgumentParser
     from zerolens.commands import bench, maxsize, verify
+    from zerolens.run import flags
     from zerolens.run.flags import config_from_args
     from zerolens.strategies import registry
+    monkeypatch.setattr(flags, "gpu_compiler", lambda: True)  # as where Triton is installed
     parser = ArgumentParser(prog="zerolens")
     subparsers = parser.add_subparsers(dest="command")
     for command in (bench, verify, maxsize):
@@ -297,6 +300,10 @@ def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to():
     assert resolved("verify", *cuda, "--preset", "gpt-1b") == (False, False, 8)
     assert resolved("verify", *cuda, "--preset", "gpt-1b", "--compile", "--fused-adam") == (True, True, 8)
     assert resolved("maxsize", *cuda) == (False, False, 8)
+    monkeypatch.setattr(flags, "gpu_compiler", lambda: False)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, False, 16)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--compile") == (True, True, 16)
+    monkeypatch.setattr(flags, "gpu_compiler", lambda: True)
 
     config = config_from_args(parser.parse_args(["bench", *cuda, "--preset", "gpt-1b", "--strategies", "ddp,zero3"]),
                               gpus_visible=1, checked=True)

@@ -256,7 +256,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     fast = getattr(args, "speed_defaults", job_of(args) == "bench") and device == "cuda"
     gpt_preset = not args.model and PRESETS[args.preset].kind == "gpt"
     fused_adam = fast if args.fused_adam is None else args.fused_adam
-    compile_blocks = fast and gpt_preset if args.compile is None else args.compile
+    compile_blocks = fast and gpt_preset and gpu_compiler() if args.compile is None else args.compile
     strategies = parse_strategies(args.strategies)
     baseline = args.baseline or registry.default_baseline(strategies)
     precision, note = args.precision, ""
@@ -295,6 +295,15 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     if not checked:
         check_config(config, gpus_visible=gpus if world_size is None else None)
     return config
+
+
+def gpu_compiler() -> bool:
+    """Whether torch.compile's GPU backend is installed (Triton): bench compiles by default only then, so
+    that a torch without it trains uncompiled (its header then names no compiled blocks) instead of
+    failing in the first step. Looked up without importing it and without asking the GPU, which would
+    give this launching process a CUDA context on GPU 0 beside rank 0's."""
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
 
 
 def job_of(args: argparse.Namespace) -> str:
