@@ -287,8 +287,8 @@ def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to(monkeypat
     for command in (bench, verify, maxsize):
         command.add_parser(subparsers)
 
-    def resolved(*flags):
-        config = config_from_args(parser.parse_args(list(flags)), gpus_visible=1, checked=True)
+    def resolved(*argv):
+        config = config_from_args(parser.parse_args(list(argv)), gpus_visible=1, checked=True)
         return config.fused_adam, config.model.compile_blocks, config.micro_batch
 
     cuda = ("--nproc", "1", "--device", "cuda")
