@@ -51,21 +51,16 @@ class StepTimer:
                 yield
             record["seconds"] = time.perf_counter() - start  # a warm-up step's: no timing reads it
             return
-        if record["step"] == self.warmup_steps - 1:  # CUDA's last warm-up step: its kernels' timeline
-            synchronize(self.device)
-            start = time.perf_counter()
-            with kernel_timeline() as timeline:
-                yield
-            record["seconds"] = time.perf_counter() - start  # a warm-up step's: no timing reads it
-            record["communication_seconds"] = timeline.communication_s
-            record["communication_not_overlapped_seconds"] = timeline.not_overlapped_s
-            self.phase_events = []
-            return
+        profiled = record["step"] == self.warmup_steps - 1  # CUDA's last warm-up step: its kernels' timeline
         synchronize(self.device)
         start = time.perf_counter()
-        yield
+        with kernel_timeline() if profiled else contextlib.nullcontext() as timeline:
+            yield
         synchronize(self.device)
         record["seconds"] = time.perf_counter() - start
+        if profiled:
+            record["communication"] = {"communication": timeline.communication_s,
+                                       "communication_not_overlapped": timeline.not_overlapped_s}
         # Each phase's time on the GPU's timeline, read once the step has synchronised anyway.
         for name, begin, end in self.phase_events:
             record[f"seconds_{name}"] = record.get(f"seconds_{name}", 0.0) + begin.elapsed_time(end) / 1e3

@@ -236,8 +236,7 @@ def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phas
         return {"name": name, "process_id": os.getpid(), "matmul_tflops": measured_matmul,
                 "seconds": [r["seconds"] for r in run.records],
                 "phase_seconds": [{p: r.get(f"seconds_{p}") for p in PHASES} for r in run.records],
-                "communication": next(({k: r[f"{k}_seconds"] for k in ("communication", "communication_not_overlapped")}
-                                       for r in run.records if "communication_seconds" in r), None),
+                "communication": next((r["communication"] for r in run.records if "communication" in r), None),
                 "losses": run.losses,
                 "settings": strategy.describe(), "notes": run.notes, **run.measured}
     return {"losses": run.losses, "records": run.records, "seconds": run.seconds, "settings": strategy.describe(),
