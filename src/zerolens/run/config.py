@@ -51,6 +51,7 @@ class RunConfig:
     param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD
     gradient_clipping: float = 1.0  # DeepSpeed's default; DDP is clipped the same way
     fused_adam: bool = False
+    grad_overflow_check: bool | None = None  # DeepSpeed's bf16.check_grad_overflow (TrainSettings says more)
     ds_override: dict = field(default_factory=dict)
     ds_config: dict = field(default_factory=dict)  # --ds-config FILE, as read
     ds_config_path: str | None = None
@@ -157,7 +158,7 @@ class RunConfig:
                              grad_accum=self.grad_accum,
                              world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
                              gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
-                             user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose,
+                             grad_overflow_check=self.grad_overflow_check, user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose,
                              # On the CPU bench follows a warm-up step tensor by tensor (measure/timer.py),
                              # which needs DDP's buckets in hand: only CUDA's bench leaves the hook out.
                              census=not (self.job == "bench" and self.device == "cuda"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 import torch
@@ -108,6 +109,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
                         help="torch's fused AdamW kernel for every strategy (default: on in bench on GPUs, else "
                              "torch's foreach AdamW)")
+    parser.add_argument("--grad-overflow-check", action=argparse.BooleanOptionalAction, default=None,
+                        help="DeepSpeed in bf16: check every gradient for inf and NaN before the optimizer step, "
+                             "skipping the step where one is found (bf16.check_grad_overflow; default: off in bench "
+                             "on GPUs, as DeepSpeed 0.17-0.18 have it, else DeepSpeed's own default)")
     parser.add_argument("--ds-config", default=None, metavar="FILE",
                         help="your DeepSpeed JSON config for the zero strategies; \"auto\" values are filled from "
                              "zerolens's settings, the stage comes from the strategy")
@@ -275,6 +280,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     micro_batch = micro_batch_of(args, nproc,
                                  default=BENCH_GPU_MICRO_BATCH if fast and gpt_preset else MICRO_BATCH)
     ds_config, ds_override = ds_config_from_file(args.ds_config), ds_override_from_json(args.ds_override)
+    grad_overflow_check = resolved_grad_overflow_check(args.grad_overflow_check, fast, precision, ds_config,
+                                                       ds_override)
     reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
     persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
                                          STAGE3_PERSISTENCE_THRESHOLD)
@@ -283,6 +290,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                        micro_batch=micro_batch, grad_accum=args.grad_accum, reduce_bucket_size=reduce_bucket_size,
                        param_persistence_threshold=persistence,
                        gradient_clipping=args.gradient_clipping, fused_adam=fused_adam,
+                       grad_overflow_check=grad_overflow_check,
                        ds_override=ds_override, ds_config=ds_config, ds_config_path=args.ds_config,
                        job=job, warmup_steps=warmup, rounds=getattr(args, "rounds", 1),
                        reference_loops=job == "bench" and not getattr(args, "no_reference", True),
@@ -295,6 +303,28 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     if not checked:
         check_config(config, gpus_visible=gpus if world_size is None else None)
     return config
+
+
+def resolved_grad_overflow_check(flag: bool | None, fast: bool, precision: str, ds_config: dict,
+                                 ds_override: dict) -> bool | None:
+    """DeepSpeed's bf16.check_grad_overflow for the run: --[no-]grad-overflow-check, else the DeepSpeed
+    config's own where it sets it, else off for bench's speed defaults, else None (DeepSpeed's default).
+
+    Off in bench on GPUs: its host synchronisation before every step left the GPU idle while the
+    step's kernels were launched, 24 ms of ZeRO-2's 142 ms step on gpt-1b at N=1 on one H100, the whole
+    of its difference from DDP, which checks nothing (docs/results/1xh100/issue25/). DeepSpeed 0.17 and
+    0.18 leave it off in bf16, which needs no loss scaling; 0.19 turned it on (DeepSpeed PR 8035)."""
+    if flag is not None and precision != "bf16":
+        raise UserError(f"--{'' if flag else 'no-'}grad-overflow-check is DeepSpeed's bf16 setting; the run's precision "
+                        f"is {precision} (DeepSpeed always checks in fp16, for its loss scaling, and never in fp32)")
+    theirs = next((source["bf16"]["check_grad_overflow"] for source in (ds_override, ds_config)
+                   if isinstance(source.get("bf16"), dict) and "check_grad_overflow" in source["bf16"]), None)
+    if flag is not None and theirs is not None and bool(theirs) != flag:
+        raise UserError(f"--{'' if flag else 'no-'}grad-overflow-check disagrees with the DeepSpeed config's "
+                        f"bf16.check_grad_overflow {json.dumps(theirs)}; keep one of them")
+    if flag is not None or theirs is not None:
+        return flag  # None where the user's config sets it: DeepSpeed reads it there
+    return False if fast and precision == "bf16" else None
 
 
 def gpu_compiler() -> bool:

@@ -408,7 +408,9 @@ def print_header(config: RunConfig, out: Path) -> None:
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
-                            + ["blocks compiled"] * config.model.compile_blocks)
+                            + ["blocks compiled"] * config.model.compile_blocks
+                            + ["DeepSpeed's bf16 gradient overflow check off"] * (
+                                config.grad_overflow_check is False and bool(registry.needing_deepspeed(config.strategies))))
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"
             f"{rounds}{references}; {kernels}", f"run folder: {out}")

@@ -145,6 +145,9 @@ class DeepSpeedZero(Strategy):
             config = with_autos_filled(s.user_ds_config, config)
             # The strategy decides the stage; the DeepSpeed config's own, if any, is replaced.
             config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": self.stage}
+        if s.precision == "bf16" and s.grad_overflow_check is not None:
+            # Where the user's config sets it, flags.py made the run's setting agree with it
+            config["bf16"] = {**config.get("bf16", {}), "check_grad_overflow": s.grad_overflow_check}
         return merged(config, s.ds_override)
 
     def setup(self, model, device):
@@ -343,8 +346,10 @@ def reduce_buckets(optimizer) -> list[torch.Tensor]:
 ALLOCATES_NOTHING = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                      "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "tensorboard",
                      "wandb", "csv_monitor", "comet", "zero_allow_untested_optimizer", "dump_state"}
+# The precision sections' keys that allocate nothing the step models miss: loss scaling, and bf16's
+# overflow check (a few 0-dim tensors per step: runtime/utils.py has_inf_or_nan reduces each gradient).
 LOSS_SCALING = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                "consecutive_hysteresis", "min_loss_scale"}
+                "consecutive_hysteresis", "min_loss_scale", "check_grad_overflow"}
 # zero_optimization fields (DeepSpeedZeroConfig's names) the step models read, or that change
 # nothing they allocate (checkpoint saving and loading, logging, a stage's settings at other stages).
 ZERO_FIELDS_READ = {
