@@ -86,11 +86,11 @@ def test_gradient_bytes_wording_says_1_over_n_only_when_it_is_not():
 
 def test_the_cpu_peak_check_allows_a_late_gloo_copy_only_where_gloos_thread_was_seen_to_free_one():
     """On CPU, gloo's thread may free its copy of a reduce-scatter's input after the next operations
-    have allocated, which are the next phase's where the collective was its phase's last. Measured
-    above the prediction by at most one buffer that another thread freed from that phase on (within
-    1%) passes where the phase or the one before runs such a collective (all of the buffer when it
-    outlives the phase's peak, part when freed before it); above by more, with no such free seen,
-    below, or in a phase with no such collective in it or just before, does not."""
+    have allocated, in a later phase, even the next step's forward. Measured above the prediction by at
+    most one buffer of a collective's size that another thread was seen to free (within 1%) passes in
+    the phases from the collective's to the one it was freed in (all of the buffer when it outlives the
+    phase's peak, part when freed before it); above by more, with no such free seen, a free of another
+    size, below, or in a phase outside that span, does not."""
     from zerolens.report.checks import peak_prediction_check
     predicted = {"peak_during_forward": 1_000_000, "peak_during_backward": 2_000_000, "peak_during_step": 1_500_000}
 
@@ -109,7 +109,9 @@ def test_the_cpu_peak_check_allows_a_late_gloo_copy_only_where_gloos_thread_was_
     assert peak_prediction_check("fsdp2", rank(2_300_000, copies))["passed"]
     assert not peak_prediction_check("fsdp2", rank(2_363_008 + 25_000, copies))["passed"]  # more than the copy
     assert not peak_prediction_check("fsdp2", rank(2_300_000, copies, freed={}))["passed"]  # no late free seen
-    assert not peak_prediction_check("fsdp2", rank(2_300_000, copies, freed={"forward": [363_008]}))["passed"]
+    # freed in the next step's forward: alive through backward and the step
+    assert peak_prediction_check("fsdp2", rank(2_300_000, copies, freed={"forward": [363_008]}))["passed"]
+    assert not peak_prediction_check("fsdp2", rank(2_300_000, copies, freed={"backward": [500_000]}))["passed"]
     assert not peak_prediction_check("fsdp2", rank(1_700_000, copies))["passed"]  # below
     # backward's last copy freed by gloo's thread once the step had begun (seen in the step)
     step_free = {"step": [363_008]}
@@ -119,9 +121,11 @@ def test_the_cpu_peak_check_allows_a_late_gloo_copy_only_where_gloos_thread_was_
     assert not peak_prediction_check("fsdp2", rank(2_000_000, copies, step_measured=1_883_008 + 20_000,
                                                    freed=step_free))["passed"]
     assert not peak_prediction_check("fsdp2", rank(2_000_000, copies, step_measured=1_450_000))["passed"]
-    # no collective in forward or in the step before it
+    # forward above by backward's copy: passes where gloo's thread freed it there (gpt-tiny's FSDP2 on 2
+    # ranks, once: 99968 bytes), not where it freed it in the step, before forward began
     forward_above = {**rank(2_000_000, copies, freed={"forward": [363_008]}), "peak_during_forward": 1_363_008}
-    assert not peak_prediction_check("fsdp2", forward_above)["passed"]
+    assert peak_prediction_check("fsdp2", forward_above)["passed"]
+    assert not peak_prediction_check("fsdp2", {**forward_above, "freed_by_other_threads": step_free})["passed"]
     assert not peak_prediction_check("ddp", rank(2_363_008, {}))["passed"]
     assert peak_prediction_check("ddp", rank(2_010_000, {}))["passed"]  # within 1%
 
