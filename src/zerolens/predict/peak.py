@@ -76,11 +76,11 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None) -> int:
     return sum(sum(sizes) for sizes in cublas_workspaces(capability).values())
 
 
-# The operations that call cuBLAS, whose first call in a thread allocates the handle's workspace.
 # A tensor's device, asked through the dispatcher of a fake tensor: 70% of the operations a trace sees
 # (autograd's engine, linear layers and the optimizers' grouping by device ask it), none allocating.
 DEVICE_QUERY = torch.ops.prim.device.default
 
+# The operations that call cuBLAS, whose first call in a thread allocates the handle's workspace.
 MATRIX_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                    torch.ops.aten.baddbmm.default, torch.ops.aten._addmm_activation.default}
 

@@ -317,9 +317,9 @@ def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "defau
         tolerance = (f"each phase within {PEAK_PREDICTION_TOLERANCE_CPU:.0%} or the batch's {slack} bytes (CPU: both "
                      "from torch's MemTracker)")
         if late:
-            tolerance += (", or above the prediction by at most one buffer of a gloo collective that the collective's "
-                          "own thread was seen to free late, in the phases from the collective's to the one it was freed in, the next "
-                          "step's forward included (its buffers: "
+            tolerance += (", or above the prediction by at most one buffer of a gloo collective that the "
+                          "collective's own thread was seen to free late, in the phases from the collective's to the "
+                          "one it was freed in, the next step's forward included (its buffers: "
                           + "; ".join(f"{phase}: {', '.join(map(str, sizes))} bytes" for phase, sizes in late.items())
                           + "; freed by another thread: " + ("; ".join(
                               f"{phase}: {', '.join(map(str, sizes))} bytes" for phase, sizes in freed.items() if sizes)

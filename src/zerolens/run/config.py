@@ -158,7 +158,8 @@ class RunConfig:
                              grad_accum=self.grad_accum,
                              world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
                              gradient_clipping=self.gradient_clipping, fused_adam=self.fused_adam,
-                             grad_overflow_check=self.grad_overflow_check, user_ds_config=self.ds_config, ds_override=self.ds_override, verbose=self.verbose,
+                             grad_overflow_check=self.grad_overflow_check, user_ds_config=self.ds_config,
+                             ds_override=self.ds_override, verbose=self.verbose,
                              # On the CPU bench follows a warm-up step tensor by tensor (measure/timer.py),
                              # which needs DDP's buckets in hand: only CUDA's bench leaves the hook out.
                              census=not (self.job == "bench" and self.device == "cuda"))

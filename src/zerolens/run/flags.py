@@ -315,8 +315,9 @@ def resolved_grad_overflow_check(flag: bool | None, fast: bool, precision: str, 
     of its difference from DDP, which checks nothing (docs/results/1xh100/issue25/). DeepSpeed 0.17 and
     0.18 leave it off in bf16, which needs no loss scaling; 0.19 turned it on (DeepSpeed PR 8035)."""
     if flag is not None and precision != "bf16":
-        raise UserError(f"--{'' if flag else 'no-'}grad-overflow-check is DeepSpeed's bf16 setting; the run's precision "
-                        f"is {precision} (DeepSpeed always checks in fp16, for its loss scaling, and never in fp32)")
+        raise UserError(f"--{'' if flag else 'no-'}grad-overflow-check is DeepSpeed's bf16 setting; the run's "
+                        f"precision is {precision} (DeepSpeed always checks in fp16, for its loss scaling, and never "
+                        "in fp32)")
     theirs = next((source["bf16"]["check_grad_overflow"] for source in (ds_override, ds_config)
                    if isinstance(source.get("bf16"), dict) and "check_grad_overflow" in source["bf16"]), None)
     if flag is not None and theirs is not None and bool(theirs) != flag:

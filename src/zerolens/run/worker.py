@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from zerolens.compat import installed_version, release
 from zerolens.errors import UserError
 from zerolens.measure.allocator import clear_cublas_workspaces
 from zerolens.measure.matmul import matmul_tflops
@@ -407,10 +408,12 @@ def print_header(config: RunConfig, out: Path) -> None:
     if config.job == "bench":
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
+        # DeepSpeed 0.16 checks bf16 gradients whatever its config says (stage_1_and_2.py's step)
+        unchecked = (config.grad_overflow_check is False and bool(registry.needing_deepspeed(config.strategies))
+                     and release(installed_version("deepspeed") or "0.0") >= (0, 17))
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
                             + ["blocks compiled"] * config.model.compile_blocks
-                            + ["DeepSpeed's bf16 gradient overflow check off"] * (
-                                config.grad_overflow_check is False and bool(registry.needing_deepspeed(config.strategies))))
+                            + ["DeepSpeed's bf16 gradient overflow check off"] * unchecked)
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"
             f"{rounds}{references}; {kernels}", f"run folder: {out}")
