@@ -9,6 +9,8 @@ gives it one AdamW over every parameter, as `zerolens verify` builds it, so that
 compared byte for byte."""
 import argparse
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,6 +66,20 @@ def main() -> None:
         model=model, args=training, train_dataset=RandomTokens(config.vocab_size, args.seq_len))
     trainer.add_callback(ZerolensCallback(trainer, out=args.out, every=args.every))
     trainer.train()
+    if not cuda:
+        end_without_gloos_teardown()
+
+
+def end_without_gloos_teardown() -> None:
+    """On CPU processes, gloo's C++ threads can abort the interpreter's teardown after the run has
+    finished and every report is written ("terminate called without an active exception"; torch issue
+    190489): the process group ended, output flushed, the teardown is skipped, as zerolens's own
+    workers and examples/train_zero_stage2.py end."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
