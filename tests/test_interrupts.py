@@ -115,8 +115,9 @@ def test_an_interrupted_verify_ends_every_rank_and_says_what_finished(tmp_path, 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_plan_ends_its_tracing_processes(tmp_path, sig, code):
     stderr = tmp_path / "stderr.txt"
+    # A small grid, so that the depth search, whose trials share the tracing processes with it, soon runs
     process = start("plan", "--gpu-memory", "24GiB", "--preset", "gpt-tiny", "--nproc", "2", "--jobs", "2",
-                    out=stderr)
+                    "--strategies", "ddp,zero2", "--micro-batches", "1", out=stderr)
     wait_for(lambda: "depth search" in stderr.read_text(), "depth search", process)
     returncode, started, took = interrupt(process, sig)
     text = stderr.read_text()
