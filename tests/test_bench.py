@@ -318,7 +318,8 @@ def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_othe
     """bench on CUDA in bf16 writes bf16.check_grad_overflow false into DeepSpeed's config (its host
     synchronisation is what made ZeRO-2's step slower than DDP's at N=1); verify, the CPU and fp16 leave
     DeepSpeed's default; the flag and a DeepSpeed config of the user's own decide over the default, and
-    disagreeing, or the flag in another precision, is a user error. What the step models miss of it: nothing."""
+    disagreeing, the flag in another precision or without ZeRO-1/2, is a user error. What the step models miss
+    of it under DeepSpeed 0.19: nothing."""
     from zerolens.cli import ArgumentParser
     from zerolens.commands import bench, verify
     from zerolens.errors import UserError
@@ -346,8 +347,17 @@ def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_othe
     assert bf16_section("bench", *cuda, "--ds-config", str(user)) == {"enabled": True, "check_grad_overflow": True}
     assert bf16_section("bench", *cuda, "--ds-override", '{"bf16": {"check_grad_overflow": true}}') == {
         "enabled": True, "check_grad_overflow": True}
+    assert config("bench", *cuda, "--ds-config", str(user)).grad_overflow_check is True  # what ran, recorded
     with pytest.raises(UserError, match="disagrees with the DeepSpeed config's bf16.check_grad_overflow true"):
         config("bench", *cuda, "--ds-config", str(user), "--no-grad-overflow-check")
+    legacy = tmp_path / "legacy.json"  # DeepSpeed's older name of the section
+    legacy.write_text(json.dumps({"bfloat16": {"enabled": True, "check_grad_overflow": True}}))
+    assert config("bench", *cuda, "--ds-config", str(legacy)).grad_overflow_check is True
+    auto = tmp_path / "auto.json"  # "auto" sets nothing: bench's default stands
+    auto.write_text(json.dumps({"bf16": {"enabled": "auto", "check_grad_overflow": "auto"}}))
+    assert bf16_section("bench", *cuda, "--ds-config", str(auto)) == {"enabled": True, "check_grad_overflow": False}
+    with pytest.raises(UserError, match="sets what DeepSpeed's ZeRO-1 and ZeRO-2 do; the run has neither"):
+        config("bench", *cuda, "--strategies", "ddp,zero3", "--no-grad-overflow-check")
     with pytest.raises(UserError, match="DeepSpeed's bf16 setting; the run's precision is fp16"):
         config("verify", *cuda, "--precision", "fp16", "--no-grad-overflow-check")
     settings = config("bench", *cuda, "--ds-override", '{"bf16": {"check_grad_overflow": false}}').train_settings()

@@ -75,6 +75,9 @@ def end_without_gloos_teardown() -> None:
     finished and every report is written ("terminate called without an active exception"; torch issue
     190489): the process group ended, output flushed, the teardown is skipped, as zerolens's own
     workers and examples/train_zero_stage2.py end."""
+    wandb = sys.modules.get("wandb")  # --report-to wandb: its run ends at exit, which this skips
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()

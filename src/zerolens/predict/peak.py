@@ -476,7 +476,7 @@ def gloo_reduce_scatter_copies():
     was FSDP2's backward peak on CPU (docs/results/cpu-2proc/issue14/hf/). Yields the list of the
     copies' sizes in bytes, and the outputs': gloo's own thread holds a copy too, and now and then
     frees it after the next operation has allocated (checks.peak_prediction_check allows for one such
-    buffer in the phase that ran it; a step model whose collectives are modelled, not run, lists their
+    buffer in the phases it was seen alive in; a step model whose collectives are modelled, not run, lists their
     buffers' sizes as `collective_buffer_sizes`)."""
     import torch.distributed as dist
     # FSDP2 looks the function up by name at each call: reduce_scatter_single from torch 2.13,

@@ -260,7 +260,8 @@ def predicted_for_measurement(rank: dict) -> dict:
     return predicted["last_step"] if predicted["target"] == "cpu" else predicted
 
 
-def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "default") -> dict:
+def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "default", *,
+                          accumulating: bool = False) -> dict:
     """The peak predicted before training against the measured one. CPU (torch's MemTracker on
     both sides): every phase within 1%, or within the bytes of the rank's batch (tokens and
     labels), which the tracker counts or not depending on how the training loop holds them (a few
@@ -268,7 +269,9 @@ def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "defau
     at most one buffer of a gloo collective's (`gloo_late_free_bytes`, predicted per phase: FSDP2's
     reduce-scatter copies, predict.peak.gloo_reduce_scatter_copies; DeepSpeed's flat all-reduce
     copies) that a collective's own thread was seen to free (`freed_by_other_threads`, measured, of
-    the same size), in a phase from the collective's to the one it was freed in. The trace frees
+    the same size), in a phase it was alive in: from the collective's to the one it was freed in, or,
+    freed in a phase before the collective's, from the step's start to it (the step before's copy;
+    with `accumulating`, an earlier micro-batch's, also from the collective's phase on). The trace frees
     each when the collective is waited on; gloo's own thread, which holds it too, now and then frees
     it later, even in the next step's forward, so the buffer is alive into phases where the trace has it
     gone, and adds to each of their peaks at most its size (part of it where it is freed before the phase's own peak: a
@@ -301,14 +304,15 @@ def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "defau
 
         def freed_late(phase: str) -> list[int]:
             # The buffers of a gloo collective that a collective's thread was seen to free, each of a size the
-            # collective's phase holds (`late`), where this phase lies from the collective's phase to the one
-            # it was freed in, in the order the phases run, step after step: backward's reduce-scatter copy,
-            # freed in the next step's forward, was alive through the step too.
-            def between(start: str, end: str) -> bool:
-                i, j, k = (PHASES.index(p) for p in (start, phase, end))
-                return (j - i) % len(PHASES) <= (k - i) % len(PHASES)
+            # collective's phase holds (`late`), where it was alive in this phase of the measured (last) step:
+            # from the collective's phase to the one it was freed in; where freed in a phase before the
+            # collective's, it was the step before's (backward's copy, freed in the next forward), alive from
+            # the step's start, or, with gradient accumulation, an earlier micro-batch's too.
+            def alive(ran: str, gone: str) -> bool:
+                i, j, k = (PHASES.index(p) for p in (ran, phase, gone))
+                return i <= j <= k if i <= k else j <= k or (accumulating and j >= i)
             return [size for ran, sizes in late.items() for gone, seen in freed.items() for size in seen
-                    if size in sizes and between(ran, gone)]
+                    if size in sizes and alive(ran, gone)]
 
         def one_late_buffer(phase: str) -> bool:  # above the prediction by at most the largest of them
             above, buffers = measured[phase] - expected[phase], freed_late(phase)
@@ -318,8 +322,7 @@ def peak_prediction_check(name: str, rank: dict, allocator_setting: str = "defau
                      "from torch's MemTracker)")
         if late:
             tolerance += (", or above the prediction by at most one buffer of a gloo collective that the "
-                          "collective's own thread was seen to free late, in the phases from the collective's to the "
-                          "one it was freed in, the next step's forward included (its buffers: "
+                          "collective's own thread was seen to free late, in a phase it was alive in (its buffers: "
                           + "; ".join(f"{phase}: {', '.join(map(str, sizes))} bytes" for phase, sizes in late.items())
                           + "; freed by another thread: " + ("; ".join(
                               f"{phase}: {', '.join(map(str, sizes))} bytes" for phase, sizes in freed.items() if sizes)

@@ -142,7 +142,8 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
     # The allocator's settings the ranks ran under (CUDA), which its model's prediction follows.
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if config.device == "cuda" else None
     setting = allocator_setting(alloc_conf or "")[0]
-    checks += [peak_prediction_check(name, rank, setting) for name, s in strategies.items() for rank in s["ranks"]
+    checks += [peak_prediction_check(name, rank, setting, accumulating=config.grad_accum > 1)
+               for name, s in strategies.items() for rank in s["ranks"]
                if "predicted_peaks" in rank and rank.get("peak_bytes") is not None]
     if config.device == "cuda":
         for name, s in strategies.items():

@@ -110,9 +110,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
                         help="torch's fused AdamW kernel for every strategy (default: on in bench on GPUs, else "
                              "torch's foreach AdamW)")
     parser.add_argument("--grad-overflow-check", action=argparse.BooleanOptionalAction, default=None,
-                        help="DeepSpeed in bf16: check every gradient for inf and NaN before the optimizer step, "
-                             "skipping the step where one is found (bf16.check_grad_overflow; default: off in bench "
-                             "on GPUs, as DeepSpeed 0.17-0.18 have it, else DeepSpeed's own default)")
+                        help="DeepSpeed ZeRO-1/2 in bf16: check every gradient for inf and NaN before the optimizer "
+                             "step, skipping the step where one is found (bf16.check_grad_overflow; default: off in "
+                             "bench on GPUs, as DeepSpeed 0.17-0.18 have it, else DeepSpeed's own default)")
     parser.add_argument("--ds-config", default=None, metavar="FILE",
                         help="your DeepSpeed JSON config for the zero strategies; \"auto\" values are filled from "
                              "zerolens's settings, the stage comes from the strategy")
@@ -281,7 +281,7 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                                  default=BENCH_GPU_MICRO_BATCH if fast and gpt_preset else MICRO_BATCH)
     ds_config, ds_override = ds_config_from_file(args.ds_config), ds_override_from_json(args.ds_override)
     grad_overflow_check = resolved_grad_overflow_check(args.grad_overflow_check, fast, precision, ds_config,
-                                                       ds_override)
+                                                       ds_override, strategies)
     reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
     persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
                                          STAGE3_PERSISTENCE_THRESHOLD)
@@ -306,25 +306,33 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
 
 
 def resolved_grad_overflow_check(flag: bool | None, fast: bool, precision: str, ds_config: dict,
-                                 ds_override: dict) -> bool | None:
+                                 ds_override: dict, strategies: tuple[str, ...]) -> bool | None:
     """DeepSpeed's bf16.check_grad_overflow for the run: --[no-]grad-overflow-check, else the DeepSpeed
-    config's own where it sets it, else off for bench's speed defaults, else None (DeepSpeed's default).
+    config's own where it sets it (in its "bf16" section or the older "bfloat16"; "auto" sets nothing),
+    else off for bench's speed defaults, else None (DeepSpeed's default). ZeRO-1 and 2 read it
+    (DeepSpeedZeroOptimizer); ZeRO-3 and DeepSpeed without ZeRO check bf16 gradients never or always.
 
     Off in bench on GPUs: its host synchronisation before every step left the GPU idle while the
     step's kernels were launched, 24 ms of ZeRO-2's 142 ms step on gpt-1b at N=1 on one H100, the whole
     of its difference from DDP, which checks nothing (docs/results/1xh100/issue25/). DeepSpeed 0.17 and
     0.18 leave it off in bf16, which needs no loss scaling; 0.19 turned it on (DeepSpeed PR 8035)."""
+    named = f"--{'' if flag else 'no-'}grad-overflow-check"
     if flag is not None and precision != "bf16":
-        raise UserError(f"--{'' if flag else 'no-'}grad-overflow-check is DeepSpeed's bf16 setting; the run's "
-                        f"precision is {precision} (DeepSpeed always checks in fp16, for its loss scaling, and never "
-                        "in fp32)")
-    theirs = next((source["bf16"]["check_grad_overflow"] for source in (ds_override, ds_config)
-                   if isinstance(source.get("bf16"), dict) and "check_grad_overflow" in source["bf16"]), None)
-    if flag is not None and theirs is not None and bool(theirs) != flag:
-        raise UserError(f"--{'' if flag else 'no-'}grad-overflow-check disagrees with the DeepSpeed config's "
-                        f"bf16.check_grad_overflow {json.dumps(theirs)}; keep one of them")
+        raise UserError(f"{named} is DeepSpeed's bf16 setting; the run's precision is {precision} (DeepSpeed "
+                        "always checks in fp16, for its loss scaling, and never in fp32)")
+    if flag is not None and not {"zero1", "zero2"} & set(strategies):
+        raise UserError(f"{named} sets what DeepSpeed's ZeRO-1 and ZeRO-2 do; the run has neither")
+    theirs = next((source[section]["check_grad_overflow"] for source in (ds_override, ds_config)
+                   for section in ("bf16", "bfloat16") if isinstance(source.get(section), dict)
+                   and source[section].get("check_grad_overflow", "auto") != "auto"), None)
+    if theirs is not None and not isinstance(theirs, bool):
+        raise UserError("the DeepSpeed config's bf16.check_grad_overflow must be true or false, got "
+                        + json.dumps(theirs))
+    if flag is not None and theirs is not None and theirs != flag:
+        raise UserError(f"{named} disagrees with the DeepSpeed config's bf16.check_grad_overflow "
+                        f"{json.dumps(theirs)}; keep one of them")
     if flag is not None or theirs is not None:
-        return flag  # None where the user's config sets it: DeepSpeed reads it there
+        return flag if flag is not None else theirs
     return False if fast and precision == "bf16" else None
 
 

@@ -408,12 +408,12 @@ def print_header(config: RunConfig, out: Path) -> None:
     if config.job == "bench":
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
-        # DeepSpeed 0.16 checks bf16 gradients whatever its config says (stage_1_and_2.py's step)
-        unchecked = (config.grad_overflow_check is False and bool(registry.needing_deepspeed(config.strategies))
+        # ZeRO-1/2 read the setting from DeepSpeed 0.17 on; 0.16 checks bf16 gradients whatever it says
+        unchecked = (config.grad_overflow_check is False and bool({"zero1", "zero2"} & set(config.strategies))
                      and release(installed_version("deepspeed") or "0.0") >= (0, 17))
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
                             + ["blocks compiled"] * config.model.compile_blocks
-                            + ["DeepSpeed's bf16 gradient overflow check off"] * unchecked)
+                            + ["ZeRO-1/2's bf16 gradient overflow check off"] * unchecked)
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"
             f"{rounds}{references}; {kernels}", f"run folder: {out}")

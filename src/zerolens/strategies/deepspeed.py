@@ -347,7 +347,10 @@ ALLOCATES_NOTHING = {"train_batch_size", "train_micro_batch_size_per_gpu", "grad
                      "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "tensorboard",
                      "wandb", "csv_monitor", "comet", "zero_allow_untested_optimizer", "dump_state"}
 # The precision sections' keys that allocate nothing the step models miss: loss scaling, and bf16's
-# overflow check (a few 0-dim tensors per step: runtime/utils.py has_inf_or_nan reduces each gradient).
+# overflow check as DeepSpeed 0.19 makes it (runtime/utils.py has_inf_or_nan reduces each gradient to
+# two scalars). 0.16 to 0.18 check with a float copy of each gradient and masks of it, one gradient at a
+# time (stage_1_and_2.py _has_inf_or_nan), which ZeRO-1/2's step model does not follow: in fp16 always,
+# in bf16 where the check is on (0.16: always).
 LOSS_SCALING = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale", "check_grad_overflow"}
 # zero_optimization fields (DeepSpeedZeroConfig's names) the step models read, or that change
