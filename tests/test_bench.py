@@ -356,7 +356,7 @@ def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_othe
     auto = tmp_path / "auto.json"  # "auto" sets nothing: bench's default stands
     auto.write_text(json.dumps({"bf16": {"enabled": "auto", "check_grad_overflow": "auto"}}))
     assert bf16_section("bench", *cuda, "--ds-config", str(auto)) == {"enabled": True, "check_grad_overflow": False}
-    with pytest.raises(UserError, match="sets what DeepSpeed's ZeRO-1 and ZeRO-2 do; the run has neither"):
+    with pytest.raises(UserError, match="sets what zero1, zero2 do; the run has none of them"):
         config("bench", *cuda, "--strategies", "ddp,zero3", "--no-grad-overflow-check")
     with pytest.raises(UserError, match="DeepSpeed's bf16 setting; the run's precision is fp16"):
         config("verify", *cuda, "--precision", "fp16", "--no-grad-overflow-check")

@@ -320,8 +320,9 @@ def resolved_grad_overflow_check(flag: bool | None, fast: bool, precision: str, 
     if flag is not None and precision != "bf16":
         raise UserError(f"{named} is DeepSpeed's bf16 setting; the run's precision is {precision} (DeepSpeed "
                         "always checks in fp16, for its loss scaling, and never in fp32)")
-    if flag is not None and not {"zero1", "zero2"} & set(strategies):
-        raise UserError(f"{named} sets what DeepSpeed's ZeRO-1 and ZeRO-2 do; the run has neither")
+    if flag is not None and not registry.reading_grad_overflow_check(strategies):
+        raise UserError(f"{named} sets what {', '.join(registry.reading_grad_overflow_check(registry.names()))} "
+                        "do; the run has none of them")
     theirs = next((source[section]["check_grad_overflow"] for source in (ds_override, ds_config)
                    for section in ("bf16", "bfloat16") if isinstance(source.get(section), dict)
                    and source[section].get("check_grad_overflow", "auto") != "auto"), None)

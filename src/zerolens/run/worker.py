@@ -409,7 +409,8 @@ def print_header(config: RunConfig, out: Path) -> None:
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
         # ZeRO-1/2 read the setting from DeepSpeed 0.17 on; 0.16 checks bf16 gradients whatever it says
-        unchecked = (config.grad_overflow_check is False and bool({"zero1", "zero2"} & set(config.strategies))
+        unchecked = (config.grad_overflow_check is False
+                     and bool(registry.reading_grad_overflow_check(config.strategies))
                      and release(installed_version("deepspeed") or "0.0") >= (0, 17))
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
                             + ["blocks compiled"] * config.model.compile_blocks

@@ -71,6 +71,9 @@ class StrategySpec:
     not_depth_scaled: str | None = None
     # Why bench does not compile the GPT presets' blocks under it, where it cannot (bench's --compile)
     not_compiled: str | None = None
+    # Its step checks bf16 gradients for inf and NaN as DeepSpeed's bf16.check_grad_overflow says (from
+    # 0.17; DeepSpeedZeroOptimizer): --grad-overflow-check
+    reads_grad_overflow_check: bool = False
 
     def backend_class(self):
         module, _, cls = self.backend.partition(":")
@@ -182,6 +185,10 @@ def needing_deepspeed(strategies) -> list[str]:
     return [s for s in strategies if spec(s).needs_deepspeed]
 
 
+def reading_grad_overflow_check(strategies) -> list[str]:
+    return [s for s in strategies if spec(s).reads_grad_overflow_check]
+
+
 def without_deepspeed() -> list[str]:
     return [s for s in _REGISTRY if not spec(s).needs_deepspeed]
 
@@ -218,7 +225,7 @@ for stage in (1, 2):
     register(StrategySpec(
         name=f"zero{stage}", backend=DEEPSPEED, options={"stage": stage}, needs_deepspeed=True, paper_stage=stage,
         shards_gradients=True, flat_partition=True, reduce_bucket="every backward", transient_code=DEEPSPEED_CODE,
-        step_model=DEEPSPEED_STEP_MODEL,
+        step_model=DEEPSPEED_STEP_MODEL, reads_grad_overflow_check=True,
         description=f"DeepSpeed ZeRO-{stage}: " + ("optimizer states" if stage == 1 else "optimizer states and "
                                                    "gradients") + " partitioned",
         layout=deepspeed_flat_partition_layout,
