@@ -332,8 +332,9 @@ def resolved_grad_overflow_check(flag: bool | None, fast: bool, precision: str, 
     if flag is not None and theirs is not None and theirs != flag:
         raise UserError(f"{named} disagrees with the DeepSpeed config's bf16.check_grad_overflow "
                         f"{json.dumps(theirs)}; keep one of them")
-    if flag is not None or theirs is not None:
-        return flag if flag is not None else theirs
+    chosen = flag if flag is not None else theirs
+    if chosen is not None:
+        return chosen
     return False if fast and precision == "bf16" else None
 
 
