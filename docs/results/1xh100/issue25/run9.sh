@@ -5,8 +5,8 @@
 # 2. the two 1-GPU tests run8's time limit cut (bench with its defaults on gpt-tiny; one GPU visible).
 set -x
 nvidia-smi -L > $OUT/device.txt; git rev-parse HEAD > $OUT/tree.txt; git status --short >> $OUT/tree.txt
-( time timeout 200 zerolens bench --nproc 1 --device cuda --preset gpt-1b --rounds 1 --out /tmp/bench-1b ) \
+( time timeout 290 zerolens bench --nproc 1 --device cuda --preset gpt-1b --rounds 1 --out /tmp/bench-1b ) \
     > $OUT/bench-gpt-1b-defaults.log 2>&1
 cp /tmp/bench-1b/bench.json $OUT/bench-gpt-1b-defaults.json; cp /tmp/bench-1b/bench.md $OUT/bench-gpt-1b-defaults.md
-( time timeout 80 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 --durations=0 tests/test_gpu.py \
+( time timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 --durations=0 tests/test_gpu.py \
     -k "bench_on_one_gpu or one_gpu_visible" ) > $OUT/pytest_gpu.txt 2>&1
