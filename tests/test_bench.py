@@ -314,12 +314,12 @@ def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to(monkeypat
     assert all(uncompiled.compile_note(n) is None for n in registry.names())
 
 
-def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_otherwise(tmp_path):
+def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_otherwise(tmp_path, monkeypatch):
     """bench on CUDA in bf16 writes bf16.check_grad_overflow false into DeepSpeed's config (its host
     synchronisation is what made ZeRO-2's step slower than DDP's at N=1); verify, the CPU and fp16 leave
     DeepSpeed's default; the flag and a DeepSpeed config of the user's own decide over the default, and
-    disagreeing, the flag in another precision or without ZeRO-1/2, is a user error. What the step models miss
-    of it under DeepSpeed 0.19: nothing."""
+    disagreeing, the flag in another precision or without ZeRO-1/2, is a user error. The step models read
+    nothing of it that they do not follow."""
     from zerolens.cli import ArgumentParser
     from zerolens.commands import bench, verify
     from zerolens.errors import UserError
@@ -362,6 +362,14 @@ def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_othe
         config("verify", *cuda, "--precision", "fp16", "--no-grad-overflow-check")
     settings = config("bench", *cuda, "--ds-override", '{"bf16": {"check_grad_overflow": false}}').train_settings()
     assert all(registry.spec(n).not_modelled(settings) == [] for n in ("zero0", "zero1", "zero2", "zero3"))
+    # DeepSpeed 0.16 never checks bf16 gradients (stage_1_and_2.py: only in fp16): asking it to is a user error
+    import zerolens.compat
+    installed = zerolens.compat.installed_version
+    monkeypatch.setattr(zerolens.compat, "installed_version",
+                        lambda package: "0.16.9" if package == "deepspeed" else installed(package))
+    with pytest.raises(UserError, match="DeepSpeed 0.16.9 never checks bf16 gradients"):
+        config("bench", *cuda, "--grad-overflow-check")
+    assert config("bench", *cuda, "--no-grad-overflow-check").grad_overflow_check is False
 
 
 def test_mfu_is_also_set_against_the_matmul_rate_measured_in_the_run():

@@ -388,19 +388,31 @@ def test_fsdp2s_collective_buffers_are_on_streams_of_their_own():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, preset, precision, world_size, cuda, bucket", [
-    ("zero2", "gpt-tiny", "bf16", 5, None, 20_000),  # small buckets: each rank's buffer made at its own reduction
-    ("zero1", "gpt-tiny", "fp32", 3, None, 50_000_000),  # fp32: the norm's copies are the views themselves
-    ("zero2", "case-study", "fp16", 4, (9, 0), 500_000),  # a CUDA target: sizes in whole 512 bytes
-    ("zero1", "gpt-tiny", "bf16", 7, (9, 0), 20_000),
+@pytest.mark.parametrize("name, preset, precision, world_size, cuda, bucket, deepspeed", [
+    ("zero2", "gpt-tiny", "bf16", 5, None, 20_000, None),  # small buckets: each rank's buffer made at its own reduction
+    ("zero1", "gpt-tiny", "fp32", 3, None, 50_000_000, None),  # fp32: the norm's copies are the views themselves
+    ("zero2", "case-study", "fp16", 4, (9, 0), 500_000, None),  # a CUDA target: sizes in whole 512 bytes
+    ("zero1", "gpt-tiny", "bf16", 7, (9, 0), 20_000, None),
+    # 0.16 to 0.18's overflow check: an fp32 copy and masks of each of the slice's pieces in turn
+    ("zero2", "gpt-tiny", "fp16", 5, (9, 0), 20_000, "0.16.9"),
+    ("zero1", "gpt-tiny", "bf16", 3, None, 20_000, "0.18.9"),
 ])
 def test_zero12s_one_trace_spliced_for_every_rank_is_each_ranks_own_trace(name, preset, precision, world_size, cuda,
-                                                                        bucket):
+                                                                        bucket, deepspeed, monkeypatch):
     """ZeRO-1/2 trace rank 0 once and splice each rank's gradient buffer, slice pieces and padding into its
     sequence: every figure of every rank (peaks per phase and step, held, the allocator's needs) equals
     what that rank's own trace gives."""
     from zerolens.predict.peak import predict_or_why_not, spliced_ranks
-    settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=2, reduce_bucket_size=bucket)
+    from zerolens.strategies.deepspeed import DeepSpeedStepModel
+    if deepspeed:  # the step model as it follows that release (the trace runs in this process)
+        import zerolens.compat
+        installed = zerolens.compat.installed_version
+        monkeypatch.setattr(zerolens.compat, "installed_version",
+                            lambda package: deepspeed if package == "deepspeed" else installed(package))
+    settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=2, reduce_bucket_size=bucket,
+                             grad_overflow_check=True if precision == "bf16" else None)
+    assert DeepSpeedStepModel(settings, rank=0, cuda=bool(cuda), stage=1).overflow_check == (
+        "masks" if deepspeed else None if precision == "fp32" else "scalars")
     spliced = spliced_ranks(name, PRESETS[preset], settings, cuda_capability=cuda, trace_on="cpu")
     own = [predict_peaks(name, PRESETS[preset], settings, rank=rank, cuda_capability=cuda, trace_on="cpu")
            for rank in range(world_size)]

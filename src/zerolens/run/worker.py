@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from zerolens.compat import installed_version, release
 from zerolens.errors import UserError
 from zerolens.measure.allocator import clear_cublas_workspaces
 from zerolens.measure.matmul import matmul_tflops
@@ -408,10 +407,9 @@ def print_header(config: RunConfig, out: Path) -> None:
     if config.job == "bench":
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
-        # ZeRO-1/2 read the setting from DeepSpeed 0.17 on; 0.16 checks bf16 gradients whatever it says
+        # (DeepSpeed 0.16 never checks bf16 gradients: "off" is true there too)
         unchecked = (config.grad_overflow_check is False
-                     and bool(registry.reading_grad_overflow_check(config.strategies))
-                     and release(installed_version("deepspeed") or "0.0") >= (0, 17))
+                     and bool(registry.reading_grad_overflow_check(config.strategies)))
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
                             + ["blocks compiled"] * config.model.compile_blocks
                             + ["ZeRO-1/2's bf16 gradient overflow check off"] * unchecked)

@@ -347,10 +347,7 @@ ALLOCATES_NOTHING = {"train_batch_size", "train_micro_batch_size_per_gpu", "grad
                      "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "tensorboard",
                      "wandb", "csv_monitor", "comet", "zero_allow_untested_optimizer", "dump_state"}
 # The precision sections' keys that allocate nothing the step models miss: loss scaling, and bf16's
-# overflow check as DeepSpeed 0.19 makes it (runtime/utils.py has_inf_or_nan reduces each gradient to
-# two scalars). 0.16 to 0.18 check with a float copy of each gradient and masks of it, one gradient at a
-# time (stage_1_and_2.py _has_inf_or_nan), which ZeRO-1/2's step model does not follow: in fp16 always,
-# in bf16 where the check is on (0.16: always).
+# overflow check, which ZeRO-1/2's step model follows per release (zero12_overflow_check).
 LOSS_SCALING = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale", "check_grad_overflow"}
 # zero_optimization fields (DeepSpeedZeroConfig's names) the step models read, or that change
@@ -432,6 +429,40 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
     return out
 
 
+def zero12_overflow_check(settings: TrainSettings, version: str | None) -> str | None:
+    """How ZeRO-1/2's step checks the gradients for inf and NaN under DeepSpeed `version` (the installed
+    one; 0.19's where it is none), read from each line's stage_1_and_2.py: None where the step checks
+    nothing; "masks" (0.16 to 0.18, _has_inf_or_nan: an fp32 copy of each gradient of the slice in turn,
+    its isnan, isinf and logical_or masks and a float copy of that, up to 11 bytes per element of the
+    largest); "scalars" (0.19, runtime/utils.py has_inf_or_nan: amax and amin reduced to scalars).
+    Which runs check: 0.16 in fp16 only (`if self.dtype == torch.float16`); 0.17 on, fp16 always and bf16
+    as the config's bf16.check_grad_overflow says (engine._configure_zero_optimizer), off by default in
+    0.17 and 0.18 and on in 0.19 (precision_config.py; DeepSpeed PR 8035)."""
+    from zerolens.compat import release
+    line = release(version) if version else (0, 19)
+    if settings.precision == "fp32" or (settings.precision == "bf16" and line < (0, 17)):
+        return None
+    if settings.precision == "bf16":
+        config = DeepSpeedZero(settings, stage=1).ds_config()
+        section = config.get("bf16") or config.get("bfloat16") or {}
+        value = section.get("check_grad_overflow") if isinstance(section, dict) else None
+        if not (value if isinstance(value, bool) else line >= (0, 19)):  # "auto" or unset: the release's default
+            return None
+    return "masks" if line < (0, 19) else "scalars"
+
+
+def has_inf_or_nan(grad: torch.Tensor, check: str) -> torch.Tensor:
+    """DeepSpeedZeroOptimizer._has_inf_or_nan of one gradient, allocating as the release does (`check`:
+    zero12_overflow_check's "masks" or "scalars")."""
+    if check == "scalars":  # runtime/utils.py has_inf_or_nan
+        return torch.isfinite(grad.amax()).logical_and(torch.isfinite(grad.amin())).logical_not()
+    float_x = grad.float()
+    nan = float_x.isnan()
+    inf = float_x.isinf()
+    inf_or_nan = nan.logical_or(inf)
+    return inf_or_nan.float().max()
+
+
 def torch_adamw(params, settings: TrainSettings, cuda: bool) -> torch.optim.Optimizer:
     """torch's AdamW as DeepSpeed builds it with torch_adam, for the step models: foreach on CUDA
     (torch's default there, which the CPU would not pick when a CUDA run is traced on it), unless
@@ -457,7 +488,9 @@ class DeepSpeedStepModel(Strategy):
       (one larger than the bucket is reduced where it is); a full bucket is reduced through a flat
       copy and the rank's share copied to its gradient buffer (the gradients of the parameters that
       overlap the slice, allocated at the first reduction holding one of them). The bucket is
-      released by backward's end. The step takes the norm (an fp32 copy of
+      released by backward's end. The step checks the slice's gradients for inf and NaN where the
+      release and precision do (zero12_overflow_check: 0.16 to 0.18 with an fp32 copy and masks of
+      one gradient at a time, 0.19 with scalars), takes the norm (an fp32 copy of
       one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
       frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
       16-bit slice (the all-gather writes into the flat buffer in place).
@@ -485,8 +518,10 @@ class DeepSpeedStepModel(Strategy):
     def __init__(self, settings: TrainSettings, *, rank: int, cuda: bool, stage: int):
         if stage not in (0, 1, 2):
             raise ValueError(f"no step model for ZeRO-{stage}")
+        from zerolens.compat import installed_version
         self.settings, self.rank, self.cuda, self.stage = settings, rank, cuda, stage
         self.dtype = DTYPES[settings.precision]
+        self.overflow_check = zero12_overflow_check(settings, installed_version("deepspeed")) if stage else None
         # The bytes of each flat copy a collective reduces, in order (a gloo run's thread may free one
         # late: predict/peak.py, checks.py).
         self.collective_buffer_sizes: list[int] = []
@@ -711,6 +746,16 @@ class DeepSpeedStepModel(Strategy):
                 start, end = max(offset, lead), min(offset + p.numel(), lead + inside)
                 views.append(self.summed_grads[start:end])
                 offset += p.numel()
+            if self.overflow_check:  # check_overflow -> has_overflow -> has_overflow_partitioned_grads_serial
+                invalid_grad_count = torch.zeros([1], dtype=torch.float, device=self.device)
+                with self.rank_own("overflow-check"):
+                    for view in views:
+                        invalid_grad_count += has_inf_or_nan(view, self.overflow_check)
+                    view = None
+                overflow = invalid_grad_count.bool()
+                del invalid_grad_count
+                overflow_gpu = overflow.byte()  # then all-reduced in place (MAX) and read: .item()
+                del overflow, overflow_gpu
             with self.rank_own("norms"):
                 for view in views:  # the norm, one fp32 copy at a time
                     torch.linalg.vector_norm(view.to(torch.float32))
@@ -780,6 +825,21 @@ class DeepSpeedStepModel(Strategy):
             if label == "grad-buffer-epilogue":
                 state.pop("this-backward", None)
                 return [("free", "added-grad-buffer", 0)] if state.pop("added-grad-buffer", False) else []
+            if label == "overflow-check":  # has_inf_or_nan of each piece, as the step model's own
+                out = []
+                for n in pieces:
+                    if self.overflow_check == "scalars":
+                        out += [("alloc", "amax", size), ("alloc", "isfinite-max", 1), ("free", "amax", 0),
+                                ("alloc", "amin", size), ("alloc", "isfinite-min", 1), ("free", "amin", 0),
+                                ("alloc", "and", 1), ("free", "isfinite-min", 0), ("free", "isfinite-max", 0),
+                                ("alloc", "not", 1), ("free", "and", 0), ("free", "not", 0)]
+                        continue
+                    out += ([("alloc", "float-copy", n * 4)] if copies else []) + [
+                        ("alloc", "isnan", n), ("alloc", "isinf", n), ("alloc", "or", n), ("alloc", "or-float", n * 4),
+                        ("alloc", "max", 4), ("free", "or-float", 0)]
+                    out += ([("free", "float-copy", 0)] if copies else []) + [
+                        ("free", "isnan", 0), ("free", "isinf", 0), ("free", "or", 0), ("free", "max", 0)]
+                return out
             if label == "norms":
                 out = []
                 for n in pieces:
