@@ -137,6 +137,30 @@ def test_the_smallest_cap_runs_and_one_granule_less_does_not(name):
         run_requests(requests, cap=cap - SMALL_BUFFER)
 
 
+# Each recorded history's smallest cap as the GPU found it (docs/results/1xh200/issue21, caps-*.json and
+# caps-*-bisect.json: set_per_process_memory_fraction bisected on the H200 that recorded it): (above, at most).
+REAL_SMALLEST_CAPS = {"case-study-default": (83886080 - SMALL_BUFFER, 83886080),
+                      "gpt2-default": (14971568128 - SMALL_BUFFER, 14971568128),
+                      "gpt-1b-default": (26658996224, 26675773440),  # ran uncapped reserving the latter
+                      "tinyllama-default": (27567063040, 27632074752)}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_SMALLEST_CAPS))
+def test_the_smallest_cap_of_a_recorded_history_is_the_real_one(name):
+    """Without the addresses CUDA gave, a history's requests replayed with each new segment below the last
+    (as CUDA mostly places them) need the cap the GPU needed; with each above the last, two of them need
+    less than the GPU did (the allocator takes the lowest address among free blocks of one size). The
+    needs are the higher of the two orders."""
+    requests = requests_of_recording(recording(name))
+    above, at_most = REAL_SMALLEST_CAPS[name]
+    downwards = smallest_cap(requests, addresses="downwards")
+    assert above < downwards <= at_most
+    upwards = smallest_cap(requests, addresses="upwards")
+    if name in ("gpt-1b-default", "tinyllama-default"):
+        assert upwards <= above
+    assert allocator_needs(requests)["min_allocator_cap_bytes"]["default"] == max(downwards, upwards)
+
+
 def test_max_split_size_keeps_oversize_blocks_whole_and_for_large_requests():
     a = CachingAllocator(max_split_size=200 * MiB)
     big = a.malloc(300 * MiB)

@@ -54,6 +54,18 @@ NO_MAX_SPLIT = 1 << 64  # max_split_size unset (SIZE_MAX)
 EXPANDABLE_RANGE = 1 << 48
 
 
+# Where CUDA puts a new segment is not known before a run, and it decides which of several free blocks of
+# one size the allocator takes (the lowest address). The two orders that bound it: each new segment
+# below the last (the newest segment's blocks first; CUDA mostly hands out addresses downwards: 535 of
+# the 724 new segments of TinyLlama's recorded history lay below the one before, 241 of 270 of
+# gpt-1b's, tests/fixtures/allocator), or above it (the oldest first). Replayed downwards, those two
+# histories' smallest caps are the real ones (upwards: 2 MiB and 16 MiB low); TinyLlama's DDP trace
+# needs the upward order's (31954305024 bytes; downwards 44 MiB less, and a run at that cap ran out of
+# memory: docs/results/1xh200/issue21, run19 and issue 25's run4). So the needs are the higher of the two
+# (allocator_needs). With expandable segments each stream and pool has one segment: the order is moot.
+ADDRESS_ORDERS = ("downwards", "upwards")
+
+
 class OutOfMemory(Exception):
     """The request cannot be served within the cap, even after every cached segment was freed."""
 
@@ -166,7 +178,7 @@ class CachingAllocator:
     "segment_map" | "segment_unmap", address, size, stream) in order, as the allocator's own trace."""
 
     def __init__(self, *, cap: int | None = None, max_split_size: int | None = None, expandable: bool = False,
-                 roundup_divisions: tuple[int, ...] | None = None, place_segment=None):
+                 roundup_divisions: tuple[int, ...] | None = None, place_segment=None, addresses: str = "downwards"):
         self.cap = cap
         self.max_split_size = NO_MAX_SPLIT if max_split_size is None else max_split_size
         self.expandable = expandable
@@ -179,12 +191,20 @@ class CachingAllocator:
         self.phase_peaks: dict = {}
         self.phase = None
         self.events: list[tuple[str, int, int, int]] = []
-        self._next_address = 1 << 40
-        self.place_segment = place_segment or self._above_the_last
+        self._lowest_address = self._next_address = 1 << 56
+        if addresses not in ADDRESS_ORDERS:
+            raise ValueError(f"addresses: one of {ADDRESS_ORDERS}, got {addresses!r}")
+        self.place_segment = place_segment or (self._below_the_last if addresses == "downwards"
+                                               else self._above_the_last)
+
+    # A new segment's address where the run does not say (ADDRESS_ORDERS): below or above the last
+    # one, on a 1 GiB boundary (no two segments overlap, whatever their size: a block is known by its
+    # stream, size and address).
+    def _below_the_last(self, size: int) -> int:
+        self._lowest_address -= -(-size // (1 << 30)) * (1 << 30)
+        return self._lowest_address
 
     def _above_the_last(self, size: int) -> int:
-        """A new segment's address where the run does not say: above the last one, on a 1 GiB boundary
-        (no two segments overlap, whatever their size: a block is known by its stream, size and address)."""
         address = self._next_address
         self._next_address += -(-size // (1 << 30)) * (1 << 30)
         return address
@@ -607,23 +627,44 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
     out = {key: {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
                  "allocated_phase_peaks": {}} for key in keys}
     for name, options in settings.items():
-        uncapped = {key: run_requests(sequence(key), **options) for key in keys}
-        for key, run in uncapped.items():
-            out[key]["reserved_peak_bytes"][name] = run.reserved_peak
-            out[key]["allocated_peak_bytes"][name] = run.allocated_peak
+        orders = ADDRESS_ORDERS[:1] if options.get("expandable") else ADDRESS_ORDERS
+        uncapped = {}
+        for key in keys:
+            requests = sequence(key)
+            uncapped[key] = {order: run_requests(requests, addresses=order, **options) for order in orders}
+        reserved = {key: max(run.reserved_peak for run in runs.values()) for key, runs in uncapped.items()}
+        for key, runs in uncapped.items():
+            out[key]["reserved_peak_bytes"][name] = reserved[key]
+            out[key]["allocated_peak_bytes"][name] = max(run.allocated_peak for run in runs.values())
             phases: dict[str, int] = {}
-            for (_, phase), peak in run.phase_peaks.items():
-                phases[phase] = max(phases.get(phase, 0), peak)
+            for run in runs.values():
+                for (_, phase), peak in run.phase_peaks.items():
+                    phases[phase] = max(phases.get(phase, 0), peak)
             out[key]["allocated_phase_peaks"][name] = phases
         highest = 0
-        for key in sorted(keys, key=lambda k: -uncapped[k].reserved_peak):
-            granularity = cap_granularity(uncapped[key].reserved_peak)
-            if -(-uncapped[key].reserved_peak // granularity) * granularity < highest:
+        for key in sorted(keys, key=lambda k: -reserved[k]):
+            granularity = cap_granularity(reserved[key])
+            if -(-reserved[key] // granularity) * granularity < highest:
                 continue  # its cap, at most its reserved peak, is below one found
-            cap = smallest_cap(sequence(key), uncapped=uncapped[key], granularity=granularity, **options)
+            cap = cap_over_orders(sequence(key), uncapped[key], granularity, options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
     return out
+
+
+def cap_over_orders(requests: list, uncapped: dict, granularity: int, options: dict) -> int:
+    """The highest of the smallest caps of `requests` in each address order (`uncapped`: order -> its run
+    without a cap): where the next order runs at the cap found so far, its own is no higher."""
+    cap = 0
+    for order, run in uncapped.items():
+        if cap:
+            try:
+                run_requests(requests, cap=cap, addresses=order, **options)
+                continue
+            except OutOfMemory:
+                pass
+        cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order, **options))
+    return cap
 
 
 USER_SETTING = "PYTORCH_CUDA_ALLOC_CONF"  # allocator_needs' key for the process's own allocator options
