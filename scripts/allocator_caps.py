@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from zerolens.predict.allocator import SMALL_BUFFER, alloc_settings, requests_of_recording, smallest_cap
+from zerolens.predict.allocator import SMALL_BUFFER, alloc_settings, cap_over_orders, requests_of_recording
 
 parser = argparse.ArgumentParser()
 parser.add_argument("recordings", nargs="+")
@@ -34,7 +34,7 @@ for path in args.recordings:
         assert result.returncode in (0, 3), result.stdout + result.stderr
         return result.returncode == 0
 
-    cap = smallest_cap(requests_of_recording(record), **alloc_settings(record["alloc_conf"])[0])
+    cap = cap_over_orders(requests_of_recording(record), **alloc_settings(record["alloc_conf"])[0])
     entry = {"model": record["model"], "alloc_conf": record["alloc_conf"], "allocated_peak_bytes": record["max_memory_allocated"],
              "reserved_peak_bytes": record["max_memory_reserved"], "predicted_smallest_cap_bytes": cap,
              "runs_at_cap": runs_under(cap), "runs_2_MiB_below": runs_under(cap - SMALL_BUFFER)}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zerolens.models.data import make_batch
 from zerolens.models.hf import PREFIX, model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig, build_model
-from zerolens.predict.allocator import run_requests
+from zerolens.predict.allocator import ADDRESS_ORDERS, run_requests
 from zerolens.predict.peak import predict_peaks
 from zerolens.strategies import TrainSettings, make_strategy
 
@@ -63,7 +63,8 @@ record = {"strategy": args.strategy, "model": args.model, "micro_batch": args.mi
           "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device),
           "max_memory_allocated": torch.cuda.max_memory_allocated(), "max_memory_reserved": torch.cuda.max_memory_reserved(),
           "events": events, "trace_requests": trace,
-          "trace_reserved_peak": run_requests(trace).reserved_peak, "predicted": predicted}
+          "trace_reserved_peak": max(run_requests(trace, addresses=order).reserved_peak for order in ADDRESS_ORDERS),
+          "predicted": predicted}
 with gzip.open(args.out, "wt") as f:
     json.dump(record, f, separators=(",", ":"), default=str)
 print(f"{args.strategy} {args.model}: {len(events)} events (trace: {len(trace)} requests); allocated peak "

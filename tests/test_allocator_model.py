@@ -35,7 +35,7 @@ def test_the_model_places_every_block_and_segment_as_the_allocator_did(name):
     model = replay_recording(record)  # raises at the first event where the model parts from the allocator
     assert model.snapshot() == sorted(record["segments"])
     assert (model.allocated_peak, model.reserved_peak) == (record["max_memory_allocated"], record["max_memory_reserved"])
-    # The same requests without their addresses, in segments placed one above the other: the same
+    # The same requests without their addresses, each new segment placed below the last: the same
     # reserved peak within 0.1%. Equal-size free blocks are taken lowest address first, and cudaMalloc's
     # addresses are not known before the run, so which block a request takes can differ: on GPT-2 the
     # allocated peak (whole blocks) by 2 MiB of 12.4 GiB.

@@ -362,14 +362,19 @@ def test_bench_on_gpus_turns_deepspeeds_bf16_overflow_check_off_unless_told_othe
         config("verify", *cuda, "--precision", "fp16", "--no-grad-overflow-check")
     settings = config("bench", *cuda, "--ds-override", '{"bf16": {"check_grad_overflow": false}}').train_settings()
     assert all(registry.spec(n).not_modelled(settings) == [] for n in ("zero0", "zero1", "zero2", "zero3"))
-    # DeepSpeed 0.16 never checks bf16 gradients (stage_1_and_2.py: only in fp16): asking it to is a user error
+    # Before 0.17.1 DeepSpeed never checks bf16 gradients (stage_1_and_2.py: only in fp16): asking it to is a
+    # user error
     import zerolens.compat
     installed = zerolens.compat.installed_version
+    for release in ("0.16.9", "0.17.0"):
+        monkeypatch.setattr(zerolens.compat, "installed_version",
+                            lambda package: release if package == "deepspeed" else installed(package))
+        with pytest.raises(UserError, match=f"DeepSpeed {release} never checks bf16 gradients"):
+            config("bench", *cuda, "--grad-overflow-check")
+        assert config("bench", *cuda, "--no-grad-overflow-check").grad_overflow_check is False
     monkeypatch.setattr(zerolens.compat, "installed_version",
-                        lambda package: "0.16.9" if package == "deepspeed" else installed(package))
-    with pytest.raises(UserError, match="DeepSpeed 0.16.9 never checks bf16 gradients"):
-        config("bench", *cuda, "--grad-overflow-check")
-    assert config("bench", *cuda, "--no-grad-overflow-check").grad_overflow_check is False
+                        lambda package: "0.17.1" if package == "deepspeed" else installed(package))
+    assert config("bench", *cuda, "--grad-overflow-check").grad_overflow_check is True
 
 
 def test_mfu_is_also_set_against_the_matmul_rate_measured_in_the_run():

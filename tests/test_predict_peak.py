@@ -387,22 +387,41 @@ def test_fsdp2s_collective_buffers_are_on_streams_of_their_own():
     assert streams == {"fsdp2": {0, 1, 2}, "ddp": {0}}
 
 
+def numbered(requests: list) -> list:
+    """A sequence with each allocation named by its place among the allocations: two traces' compare."""
+    ids, out, allocations = {}, [], 0
+    for action, ident, size, stream in requests:
+        if action == "alloc":  # a name alive once at a time may be allocated again
+            ids[ident], allocations = allocations, allocations + 1
+        out.append((action, ids[ident] if action in ("alloc", "free") else ident, size, stream))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, preset, precision, world_size, cuda, bucket, deepspeed", [
     ("zero2", "gpt-tiny", "bf16", 5, None, 20_000, None),  # small buckets: each rank's buffer made at its own reduction
     ("zero1", "gpt-tiny", "fp32", 3, None, 50_000_000, None),  # fp32: the norm's copies are the views themselves
     ("zero2", "case-study", "fp16", 4, (9, 0), 500_000, None),  # a CUDA target: sizes in whole 512 bytes
     ("zero1", "gpt-tiny", "bf16", 7, (9, 0), 20_000, None),
-    # 0.16 to 0.18's overflow check: an fp32 copy and masks of each of the slice's pieces in turn
+    # The overflow check before 0.19.6: an fp32 copy and masks of each of the slice's pieces in turn
     ("zero2", "gpt-tiny", "fp16", 5, (9, 0), 20_000, "0.16.9"),
     ("zero1", "gpt-tiny", "bf16", 3, None, 20_000, "0.18.9"),
+    ("zero2", "gpt-tiny", "bf16", 4, None, 20_000, "0.19.5"),
 ])
 def test_zero12s_one_trace_spliced_for_every_rank_is_each_ranks_own_trace(name, preset, precision, world_size, cuda,
                                                                         bucket, deepspeed, monkeypatch):
     """ZeRO-1/2 trace rank 0 once and splice each rank's gradient buffer, slice pieces and padding into its
-    sequence: every figure of every rank (peaks per phase and step, held, the allocator's needs) equals
-    what that rank's own trace gives."""
-    from zerolens.predict.peak import predict_or_why_not, spliced_ranks
+    sequence: each rank's sequence, request for request, and every figure (peaks per phase and step, held,
+    the allocator's needs) equal what that rank's own trace gives."""
+    from zerolens.predict.peak import (
+        cuda_bytes,
+        plain_requests,
+        predict_or_why_not,
+        rank_outcome,
+        spliced_ranks,
+        spliced_requests,
+        traced_rank,
+    )
     from zerolens.strategies.deepspeed import DeepSpeedStepModel
     if deepspeed:  # the step model as it follows that release (the trace runs in this process)
         import zerolens.compat
@@ -412,11 +431,17 @@ def test_zero12s_one_trace_spliced_for_every_rank_is_each_ranks_own_trace(name, 
     settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=2, reduce_bucket_size=bucket,
                              grad_overflow_check=True if precision == "bf16" else None)
     assert DeepSpeedStepModel(settings, rank=0, cuda=bool(cuda), stage=1).overflow_check == (
-        "masks" if deepspeed else None if precision == "fp32" else "scalars")
+        "masks" if deepspeed else None if precision == "fp32" else "scalars")  # 0.19.8 installed
     spliced = spliced_ranks(name, PRESETS[preset], settings, cuda_capability=cuda, trace_on="cpu")
-    own = [predict_peaks(name, PRESETS[preset], settings, rank=rank, cuda_capability=cuda, trace_on="cpu")
-           for rank in range(world_size)]
+    records = [traced_rank(name, PRESETS[preset], settings, rank=rank, cuda_capability=cuda, trace_on="cpu",
+                           brackets=True, outcome=False)[1] for rank in range(world_size)]
+    own = [rank_outcome(record | {"brackets": False}) for record in records]
     assert spliced == own
+    tracked_bytes = cuda_bytes if cuda else (lambda size: size)
+    for rank, record in enumerate(records):
+        made = plain_requests(spliced_requests(records[0]["requests"], records[0]["step_model"].rank_requests(rank),
+                                               tracked_bytes))
+        assert numbered(made) == numbered(plain_requests(record["requests"])), f"rank {rank}"
     # The ranks do allocate differently: gradient buffers of different sizes
     from zerolens.models.model import parameter_shapes
     from zerolens.strategies.layout import zero_partition_layout
@@ -586,3 +611,18 @@ def test_a_traces_sequence_ends_with_the_trace():
     record.pop("step_model")
     gc.collect()
     assert record["requests"] == ended
+
+
+@pytest.mark.parametrize("release, precision, flag, check", [
+    ("0.16.9", "fp16", None, "masks"), ("0.16.9", "bf16", True, None), ("0.17.0", "bf16", True, None),
+    ("0.17.1", "bf16", None, None), ("0.17.1", "bf16", True, "masks"), ("0.19.2", "bf16", None, None),
+    ("0.19.3", "bf16", None, "masks"), ("0.19.5", "fp16", None, "masks"), ("0.19.6", "bf16", None, "scalars"),
+    ("0.19.8", "bf16", False, None), ("0.19.8", "fp32", None, None), (None, "fp16", None, "scalars"),
+])
+def test_zero12s_overflow_check_is_each_deepspeed_releases(release, precision, flag, check):
+    """Which runs DeepSpeed's ZeRO-1/2 step checks for inf and NaN, and how, per release (read from each
+    one's stage_1_and_2.py, engine.py and precision_config.py): bf16's setting read from 0.17.1, on by
+    default from 0.19.3, scalars instead of masks from 0.19.6; fp16 always checked, fp32 never."""
+    from zerolens.strategies.deepspeed import zero12_overflow_check
+    settings = TrainSettings(precision=precision, grad_overflow_check=flag)
+    assert zero12_overflow_check(settings, release) == check

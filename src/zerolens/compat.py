@@ -36,6 +36,15 @@ def release(version: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def patch_release(version: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version string (patch 0 where it has none): for behaviour that changed
+    within a line, as DeepSpeed's gradient overflow check did at 0.17.1, 0.19.3 and 0.19.6."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if not match:
+        raise UserError(f"cannot read the version {version!r}")
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
 def supported_range(package: str) -> str:
     (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED[package]
     return f"{package}>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"

@@ -627,11 +627,11 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
     out = {key: {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
                  "allocated_phase_peaks": {}} for key in keys}
     for name, options in settings.items():
-        orders = ADDRESS_ORDERS[:1] if options.get("expandable") else ADDRESS_ORDERS
         uncapped = {}
         for key in keys:
             requests = sequence(key)
-            uncapped[key] = {order: run_requests(requests, addresses=order, **options) for order in orders}
+            uncapped[key] = {order: run_requests(requests, addresses=order, **options)
+                             for order in address_orders(options)}
         reserved = {key: max(run.reserved_peak for run in runs.values()) for key, runs in uncapped.items()}
         for key, runs in uncapped.items():
             out[key]["reserved_peak_bytes"][name] = reserved[key]
@@ -646,24 +646,33 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
             granularity = cap_granularity(reserved[key])
             if -(-reserved[key] // granularity) * granularity < highest:
                 continue  # its cap, at most its reserved peak, is below one found
-            cap = cap_over_orders(sequence(key), uncapped[key], granularity, options)
+            cap = cap_over_orders(sequence(key), granularity=granularity, uncapped=uncapped[key], **options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
     return out
 
 
-def cap_over_orders(requests: list, uncapped: dict, granularity: int, options: dict) -> int:
-    """The highest of the smallest caps of `requests` in each address order (`uncapped`: order -> its run
-    without a cap): where the next order runs at the cap found so far, its own is no higher."""
+def address_orders(settings: dict) -> tuple[str, ...]:
+    """The address orders whose needs are taken (ADDRESS_ORDERS): one with expandable segments."""
+    return ADDRESS_ORDERS[:1] if settings.get("expandable") else ADDRESS_ORDERS
+
+
+def cap_over_orders(requests: list, *, granularity: int = SMALL_BUFFER, uncapped: dict | None = None,
+                    **settings) -> int:
+    """The highest of the smallest caps of `requests` in each address order (address_orders; `uncapped`:
+    order -> its run without a cap, where the caller has them): where the next order runs at the cap
+    found so far, its own is no higher."""
+    uncapped = uncapped or {order: run_requests(requests, addresses=order, **settings)
+                            for order in address_orders(settings)}
     cap = 0
     for order, run in uncapped.items():
         if cap:
             try:
-                run_requests(requests, cap=cap, addresses=order, **options)
+                run_requests(requests, cap=cap, addresses=order, **settings)
                 continue
             except OutOfMemory:
                 pass
-        cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order, **options))
+        cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order, **settings))
     return cap
 
 

@@ -112,7 +112,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--grad-overflow-check", action=argparse.BooleanOptionalAction, default=None,
                         help="DeepSpeed ZeRO-1/2 in bf16: check every gradient for inf and NaN before the optimizer "
                              "step, skipping the step where one is found (bf16.check_grad_overflow; default: off in "
-                             "bench on GPUs, as DeepSpeed 0.17-0.18 have it, else DeepSpeed's own default)")
+                             "bench on GPUs, as DeepSpeed 0.17.1-0.19.2 have it, else DeepSpeed's own default)")
     parser.add_argument("--ds-config", default=None, metavar="FILE",
                         help="your DeepSpeed JSON config for the zero strategies; \"auto\" values are filled from "
                              "zerolens's settings, the stage comes from the strategy")
@@ -310,19 +310,20 @@ def resolved_grad_overflow_check(flag: bool | None, fast: bool, precision: str, 
     """DeepSpeed's bf16.check_grad_overflow for the run: --[no-]grad-overflow-check, else the DeepSpeed
     config's own where it sets it (in its "bf16" section or the older "bfloat16"; "auto" sets nothing),
     else off for bench's speed defaults, else None (DeepSpeed's default). ZeRO-1 and 2 read it
-    (DeepSpeedZeroOptimizer) from 0.17 on; 0.16's never check bf16 gradients, so asking it to is a user
-    error. ZeRO-3 and DeepSpeed without ZeRO check bf16 gradients never or always.
+    (DeepSpeedZeroOptimizer) from 0.17.1 on; before, they never check bf16 gradients, so asking them to is
+    a user error. ZeRO-3 and DeepSpeed without ZeRO check bf16 gradients never or always.
 
     Off in bench on GPUs: its host synchronisation before every step left the GPU idle while the
     step's kernels were launched, 24 ms of ZeRO-2's 142 ms step on gpt-1b at N=1 on one H100, the whole
-    of its difference from DDP, which checks nothing (docs/results/1xh100/issue25/). DeepSpeed 0.17 and
-    0.18 leave it off in bf16, which needs no loss scaling; 0.19 turned it on (DeepSpeed PR 8035)."""
-    from zerolens.compat import installed_version, release
+    of its difference from DDP, which checks nothing (docs/results/1xh100/issue25/). DeepSpeed 0.17.1 to
+    0.19.2 leave it off in bf16, which needs no loss scaling; 0.19.3 turned it on (DeepSpeed PR 8035)."""
+    from zerolens.compat import installed_version, patch_release
+    from zerolens.strategies.deepspeed import BF16_CHECK_READ
     named = f"--{'' if flag else 'no-'}grad-overflow-check"
     deepspeed = installed_version("deepspeed")
-    if flag and deepspeed and release(deepspeed) < (0, 17):
+    if flag and deepspeed and patch_release(deepspeed) < BF16_CHECK_READ:
         raise UserError(f"{named}: DeepSpeed {deepspeed} never checks bf16 gradients (only fp16 ones, for its loss "
-                        "scaling); bf16.check_grad_overflow is read from DeepSpeed 0.17 on")
+                        "scaling); bf16.check_grad_overflow is read from DeepSpeed 0.17.1 on")
     if flag is not None and precision != "bf16":
         raise UserError(f"{named} is DeepSpeed's bf16 setting; the run's precision is {precision} (DeepSpeed "
                         "always checks in fp16, for its loss scaling, and never in fp32)")

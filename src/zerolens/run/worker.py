@@ -407,7 +407,7 @@ def print_header(config: RunConfig, out: Path) -> None:
     if config.job == "bench":
         rounds = f", {config.rounds} rounds" if config.rounds > 1 else ""
         references = ", each strategy beside a loop written without zerolens" if config.reference_loops else ""
-        # (DeepSpeed 0.16 never checks bf16 gradients: "off" is true there too)
+        # (DeepSpeed before 0.17.1 never checks bf16 gradients: "off" is true there too)
         unchecked = (config.grad_overflow_check is False
                      and bool(registry.reading_grad_overflow_check(config.strategies)))
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]

@@ -40,8 +40,9 @@ class TrainSettings:
     # foreach, is what the verify results were measured with.
     fused_adam: bool = False
     # DeepSpeed's ZeRO-1/2 in bf16: each gradient checked for inf and NaN before the step, which is
-    # skipped where one is found (bf16.check_grad_overflow). None: DeepSpeed's own default (0.17 and
-    # 0.18: off; 0.19: on; 0.16 never checks bf16). bench on GPUs turns it off (run/flags.py says why).
+    # skipped where one is found (bf16.check_grad_overflow). None: DeepSpeed's own default (0.17.1 to
+    # 0.19.2: off; 0.19.3 on: on; before 0.17.1 bf16 is never checked). bench on GPUs turns it off
+    # (run/flags.py says why).
     grad_overflow_check: bool | None = None
     # A user's DeepSpeed config (--ds-config), used instead of the generated one, its "auto" values
     # filled from the generated one; checked against these settings in run/deepspeed_config.py.

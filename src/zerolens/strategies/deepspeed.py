@@ -429,26 +429,33 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
     return out
 
 
+# Where DeepSpeed's ZeRO-1/2 gradient overflow check changed, read from each release's stage_1_and_2.py,
+# engine.py and precision_config.py: from 0.17.1 bf16 runs check as bf16.check_grad_overflow says (before,
+# fp16 runs only: `if self.dtype == torch.float16`); from 0.19.3 it defaults to true (DeepSpeed PR 8035);
+# from 0.19.6 each gradient is reduced to scalars (runtime/utils.py has_inf_or_nan) instead of masked.
+BF16_CHECK_READ = (0, 17, 1)
+BF16_CHECK_ON_BY_DEFAULT = (0, 19, 3)
+CHECK_BY_SCALARS = (0, 19, 6)
+
+
 def zero12_overflow_check(settings: TrainSettings, version: str | None) -> str | None:
-    """How ZeRO-1/2's step checks the gradients for inf and NaN under DeepSpeed `version` (the installed
-    one; 0.19's where it is none), read from each line's stage_1_and_2.py: None where the step checks
-    nothing; "masks" (0.16 to 0.18, _has_inf_or_nan: an fp32 copy of each gradient of the slice in turn,
-    its isnan, isinf and logical_or masks and a float copy of that, up to 11 bytes per element of the
-    largest); "scalars" (0.19, runtime/utils.py has_inf_or_nan: amax and amin reduced to scalars).
-    Which runs check: 0.16 in fp16 only (`if self.dtype == torch.float16`); 0.17 on, fp16 always and bf16
-    as the config's bf16.check_grad_overflow says (engine._configure_zero_optimizer), off by default in
-    0.17 and 0.18 and on in 0.19 (precision_config.py; DeepSpeed PR 8035)."""
-    from zerolens.compat import release
-    line = release(version) if version else (0, 19)
-    if settings.precision == "fp32" or (settings.precision == "bf16" and line < (0, 17)):
+    """How ZeRO-1/2's step checks the gradients of the rank's slice for inf and NaN under DeepSpeed
+    `version` (the installed one; the newest modelled where it is none): None where it checks nothing;
+    "masks" (before 0.19.6, _has_inf_or_nan: an fp32 copy of each gradient in turn, its isnan, isinf and
+    logical_or masks and a float copy of that, up to 11 bytes per element of the largest); "scalars"
+    (0.19.6 on: amax and amin, each tested with isfinite). fp16 runs always check, fp32 runs never, bf16
+    runs as BF16_CHECK_READ and BF16_CHECK_ON_BY_DEFAULT say (engine._configure_zero_optimizer)."""
+    from zerolens.compat import patch_release
+    release = patch_release(version) if version else CHECK_BY_SCALARS
+    if settings.precision == "fp32" or (settings.precision == "bf16" and release < BF16_CHECK_READ):
         return None
     if settings.precision == "bf16":
         config = DeepSpeedZero(settings, stage=1).ds_config()
         section = config.get("bf16") or config.get("bfloat16") or {}
         value = section.get("check_grad_overflow") if isinstance(section, dict) else None
-        if not (value if isinstance(value, bool) else line >= (0, 19)):  # "auto" or unset: the release's default
+        if not (value if isinstance(value, bool) else release >= BF16_CHECK_ON_BY_DEFAULT):  # "auto", unset
             return None
-    return "masks" if line < (0, 19) else "scalars"
+    return "masks" if release < CHECK_BY_SCALARS else "scalars"
 
 
 def has_inf_or_nan(grad: torch.Tensor, check: str) -> torch.Tensor:
@@ -489,8 +496,8 @@ class DeepSpeedStepModel(Strategy):
       copy and the rank's share copied to its gradient buffer (the gradients of the parameters that
       overlap the slice, allocated at the first reduction holding one of them). The bucket is
       released by backward's end. The step checks the slice's gradients for inf and NaN where the
-      release and precision do (zero12_overflow_check: 0.16 to 0.18 with an fp32 copy and masks of
-      one gradient at a time, 0.19 with scalars), takes the norm (an fp32 copy of
+      release and precision do (zero12_overflow_check: an fp32 copy and masks of one gradient at a
+      time, or scalars), takes the norm (an fp64 copy of
       one gradient at a time), flattens the slice's gradients (16-bit) and converts them to fp32,
       frees the gradient buffer, steps AdamW on the fp32 slice, drops its gradient, and writes the
       16-bit slice (the all-gather writes into the flat buffer in place).
@@ -507,7 +514,7 @@ class DeepSpeedStepModel(Strategy):
     only counts.
 
     Under ZeRO-1/2 ranks differ only in their gradient buffer (its size, and the reduction that
-    makes it), the norm's fp32 copies of their slice's pieces and the last rank's padding. The
+    makes it), the norm's fp64 copies of their slice's pieces and the last rank's padding. The
     trace of one rank stands for all (predict/peak.py, spliced_ranks): those allocations are made
     inside `rank_own` brackets, which `mark` records in the allocation sequence, and `rank_requests`
     says what any rank allocates and frees in each.
@@ -757,9 +764,15 @@ class DeepSpeedStepModel(Strategy):
                 overflow_gpu = overflow.byte()  # then all-reduced in place (MAX) and read: .item()
                 del overflow, overflow_gpu
             with self.rank_own("norms"):
-                for view in views:  # the norm, one fp32 copy at a time
-                    torch.linalg.vector_norm(view.to(torch.float32))
+                # get_grad_norm_direct: each piece's norm from an fp64 copy (get_norm_dtype: fp64 wherever
+                # the device has it; 0.16 to 0.18: .double()), one at a time, the norms kept (all_norms)
+                # and combined; the list goes as the function returns.
+                all_norms = []
+                for view in views:
+                    all_norms.append(torch.linalg.vector_norm(view.to(torch.float64)))
                 view = None  # the loop's last view would keep the gradient buffer alive
+                total_norm = torch.stack(all_norms).pow(2).sum().float()
+                del all_norms, total_norm
             with self.rank_own("padding"):
                 padding = [torch.zeros(part.padding_elements, dtype=self.dtype, device=self.device)] \
                     if part.padding_elements else []
@@ -811,6 +824,12 @@ class DeepSpeedStepModel(Strategy):
             offset += n
         copies = self.dtype != torch.float32  # .to(torch.float32) of an fp32 view is the view itself
 
+        def isfinite_of(reduced: str) -> list[tuple[str, str, int]]:
+            """A scalar reduction and torch.isfinite of it, which torch makes of (x == x) * (x.abs() != inf)."""
+            return [("alloc", reduced, size), ("alloc", f"{reduced}-abs", size), ("alloc", f"{reduced}-ne", 1),
+                    ("alloc", f"{reduced}-eq", 1), ("alloc", f"{reduced}-finite", 1), ("free", f"{reduced}-eq", 0),
+                    ("free", f"{reduced}-ne", 0), ("free", f"{reduced}-abs", 0), ("free", reduced, 0)]
+
         def requests(label: str, payload, state: dict) -> list[tuple[str, str, int]]:
             # A backward's gradient buffer, at its first reduction holding a parameter of the slice: the
             # step's first is kept as the sum ("grad-buffer"), a later one's is added into it and dropped
@@ -829,10 +848,9 @@ class DeepSpeedStepModel(Strategy):
                 out = []
                 for n in pieces:
                     if self.overflow_check == "scalars":
-                        out += [("alloc", "amax", size), ("alloc", "isfinite-max", 1), ("free", "amax", 0),
-                                ("alloc", "amin", size), ("alloc", "isfinite-min", 1), ("free", "amin", 0),
-                                ("alloc", "and", 1), ("free", "isfinite-min", 0), ("free", "isfinite-max", 0),
-                                ("alloc", "not", 1), ("free", "and", 0), ("free", "not", 0)]
+                        out += isfinite_of("amax") + isfinite_of("amin") + [
+                            ("alloc", "and", 1), ("free", "amax-finite", 0), ("free", "amin-finite", 0),
+                            ("alloc", "not", 1), ("free", "and", 0), ("free", "not", 0)]
                         continue
                     out += ([("alloc", "float-copy", n * 4)] if copies else []) + [
                         ("alloc", "isnan", n), ("alloc", "isinf", n), ("alloc", "or", n), ("alloc", "or-float", n * 4),
@@ -842,13 +860,18 @@ class DeepSpeedStepModel(Strategy):
                 return out
             if label == "norms":
                 out = []
-                for n in pieces:
-                    out += ([("alloc", "norm-copy", n * 4)] if copies else []) + [("alloc", "norm", 4)]
-                    out += ([("free", "norm-copy", 0)] if copies else []) + [("free", "norm", 0)]
-                return out
+                for i, n in enumerate(pieces):
+                    out += [("alloc", "norm-copy", n * 8), ("alloc", f"norm-{i}", 8), ("free", "norm-copy", 0)]
+                k = len(pieces)
+                out += [("alloc", "stack", 8 * k), ("alloc", "squares", 8 * k), ("free", "stack", 0),
+                        ("alloc", "sum", 8), ("free", "squares", 0), ("alloc", "total", 4), ("free", "sum", 0)]
+                # the list freed from its end (list_dealloc), then the total
+                return out + [("free", f"norm-{i}", 0) for i in reversed(range(k))] + [("free", "total", 0)]
             if label in ("padding", "padding-free"):
-                action = "alloc" if label == "padding" else "free"
-                return [(action, "padding", part.padding_elements * size)] if part.padding_elements else []
+                if not part.padding_elements:
+                    return []
+                return [("alloc", "padding", part.padding_elements * size)] if label == "padding" else [
+                    ("free", "padding", 0)]
             if label == "grad-buffer-free":
                 return [("free", "grad-buffer", 0)] if state.pop("grad-buffer", False) else []
             raise ValueError(f"no bracket {label!r}")

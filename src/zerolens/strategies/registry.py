@@ -72,7 +72,7 @@ class StrategySpec:
     # Why bench does not compile the GPT presets' blocks under it, where it cannot (bench's --compile)
     not_compiled: str | None = None
     # Its step checks bf16 gradients for inf and NaN as DeepSpeed's bf16.check_grad_overflow says (from
-    # 0.17; DeepSpeedZeroOptimizer): --grad-overflow-check
+    # 0.17.1; DeepSpeedZeroOptimizer): --grad-overflow-check
     reads_grad_overflow_check: bool = False
 
     def backend_class(self):
