@@ -5,7 +5,7 @@
 # peak. Each release in a virtual environment made as scripts/deepspeed_compat.sh makes them (VENVS, default
 # /tmp/dsv/<release>; the installed DeepSpeed for 0.19.8). Run from the repository root:
 #     bash docs/results/deepspeed-compat/issue22/overflow-check/run.sh [label]
-# Writes verify-<release>-<check>[-label].txt and the peak checks of each run (peaks-*.json) beside this file;
+# Writes verify-<release>-<check>[-label].txt and the peak checks of each run (peaks-*.json, gzipped afterwards for docs/results size) beside this file;
 # from a checkout of another commit (a git worktree), HERE=<this folder in the main checkout> keeps them here.
 set -uo pipefail
 here=${HERE:-docs/results/deepspeed-compat/issue22/overflow-check}
