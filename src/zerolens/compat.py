@@ -30,10 +30,7 @@ def installed_version(package: str) -> str | None:
 
 def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string such as 2.13.0+cpu or 0.19.8."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if not match:
-        raise UserError(f"cannot read the version {version!r}")
-    return int(match[1]), int(match[2])
+    return patch_release(version)[:2]
 
 
 def patch_release(version: str) -> tuple[int, int, int]:
