@@ -292,17 +292,17 @@ def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to(monkeypat
         return config.fused_adam, config.model.compile_blocks, config.micro_batch
 
     cuda = ("--nproc", "1", "--device", "cuda")
-    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, True, 16)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, True, 32)
     assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-compile", "--micro-batch", "4") == (True, False, 4)
-    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-fused-adam") == (False, True, 16)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--no-fused-adam") == (False, True, 32)
     assert resolved("bench", *cuda, "--preset", "case-study") == (True, False, 8)  # not a GPT: nothing to compile
     assert resolved("bench", "--device", "cpu", "--preset", "gpt-tiny") == (False, False, 8)
     assert resolved("verify", *cuda, "--preset", "gpt-1b") == (False, False, 8)
     assert resolved("verify", *cuda, "--preset", "gpt-1b", "--compile", "--fused-adam") == (True, True, 8)
     assert resolved("maxsize", *cuda) == (False, False, 8)
     monkeypatch.setattr(flags, "gpu_compiler", lambda: False)
-    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, False, 16)
-    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--compile") == (True, True, 16)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b") == (True, False, 32)
+    assert resolved("bench", *cuda, "--preset", "gpt-1b", "--compile") == (True, True, 32)
     monkeypatch.setattr(flags, "gpu_compiler", lambda: True)
 
     config = config_from_args(parser.parse_args(["bench", *cuda, "--preset", "gpt-1b", "--strategies", "ddp,zero3"]),
@@ -310,6 +310,8 @@ def test_bench_on_gpus_trains_as_fast_training_does_unless_told_not_to(monkeypat
     assert config.model_for("ddp").compile_blocks and config.compile_note("ddp") is None
     assert not config.model_for("zero3").compile_blocks
     assert registry.spec("zero3").not_compiled in config.compile_note("zero3")
+    # the loss is compiled where the model is, in the strategy's loop and its reference loop alike
+    assert config.train_settings("ddp").compile_loss and not config.train_settings("zero3").compile_loss
     uncompiled = dataclasses.replace(config, model=dataclasses.replace(config.model, compile_blocks=False))
     assert all(uncompiled.compile_note(n) is None for n in registry.names())
 

@@ -152,8 +152,9 @@ class RunConfig:
         values = {k: v for k, v in data.items() if k in names}
         return cls(**{**values, "strategies": tuple(values["strategies"]), "model": ModelConfig(**values["model"])})
 
-    def train_settings(self) -> TrainSettings:
-        """What every strategy trains with."""
+    def train_settings(self, strategy: str | None = None) -> TrainSettings:
+        """What every strategy trains with; given `strategy`, with its loss compiled where its model is
+        (model_for)."""
         return TrainSettings(precision=self.precision, lr=self.lr, micro_batch=self.micro_batch,
                              grad_accum=self.grad_accum,
                              world_size=self.nproc, reduce_bucket_size=self.reduce_bucket_size,
@@ -162,7 +163,8 @@ class RunConfig:
                              ds_override=self.ds_override, verbose=self.verbose,
                              # On the CPU bench follows a warm-up step tensor by tensor (measure/timer.py),
                              # which needs DDP's buckets in hand: only CUDA's bench leaves the hook out.
-                             census=not (self.job == "bench" and self.device == "cuda"))
+                             census=not (self.job == "bench" and self.device == "cuda"),
+                             compile_loss=(self.model_for(strategy) if strategy else self.model).compile_blocks)
 
 
 def save_config(config: RunConfig, path: Path, command: str) -> None:

@@ -46,10 +46,13 @@ def parse_strategies(text: str) -> tuple[str, ...]:
 
 
 # Samples per rank per micro-batch; bench's on GPUs for a GPT preset: gpt-1b's matrix products run
-# nearer the GPU's rate at 16 (MFU 52.9% against 49.0% at 8 in a plain loop on one H200, fused AdamW
-# and compiled blocks: docs/results/1xh200/issue25/run4).
+# nearer the GPU's rate as it grows (plain loops, fused AdamW, compiled blocks: MFU 49.0% at 8 and 52.9%
+# at 16 on one H200, docs/results/1xh200/issue25/run4; with the loss compiled too, 48.3% at 16, 50.3% at
+# 24 and 50.9% at 32 on one H100, docs/results/1xh100/issue25/run10). At 32 gpt-1b's DDP peaks at
+# 61.0 GiB allocated (61.7 GiB reserved) on one GPU: a GPU of 80 GB or more; --micro-batch 16 (38.5 GiB)
+# for smaller ones.
 MICRO_BATCH = 8
-BENCH_GPU_MICRO_BATCH = 16
+BENCH_GPU_MICRO_BATCH = 32
 
 # The flags of a training run only, which a command that trains nothing takes from their defaults.
 TRAINING_ONLY = {"lr": None, "steps": 100, "seed": 0, "timeout": 900, "grad_accum": 1}
@@ -255,7 +258,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
         device_note = (f"{nproc} CPU processes on {os.cpu_count()} cores: they take turns, so steps are slower than "
                        "on as many cores; the memory figures are the same")
     # bench's defaults on GPUs are what fast training runs (issue 25): fused AdamW, and a GPT preset's
-    # blocks compiled at micro-batch 16; --no-fused-adam / --no-compile for torch's defaults. Elsewhere
+    # blocks and loss compiled at micro-batch 32 (BENCH_GPU_MICRO_BATCH); --no-fused-adam / --no-compile
+    # for torch's defaults. Elsewhere
     # (and in maxsize, whose trials are two steps) they are off: verify's figures are measured with
     # foreach AdamW, and a compiled model's peak is not predicted.
     fast = getattr(args, "speed_defaults", job_of(args) == "bench") and device == "cuda"

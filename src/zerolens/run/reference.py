@@ -31,7 +31,8 @@ def run_reference(name: str, config, device: torch.device) -> dict:
     them."""
     batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
                            rank=dist.get_rank(), world_size=dist.get_world_size())
-    strategy = make_strategy(name.removeprefix(PREFIX), config.train_settings())
+    strategy_name = name.removeprefix(PREFIX)
+    strategy = make_strategy(strategy_name, config.train_settings(strategy_name))
     step, teardown, loop = strategy.reference_loop(build_model(config.model_for(strategy.name), config.seed), device)
     torch.manual_seed(config.seed + 1 + dist.get_rank())  # dropout's draws, as zerolens's loop seeds them
     seconds, losses = [], []

@@ -220,7 +220,7 @@ def memory_left_behind(device: torch.device, allocated_before: int) -> int:
 def run_strategy(name: str, config: RunConfig, device: torch.device, phase: Phase, earlier_left: int) -> dict:
     """This rank's results for one strategy, through the one training loop: measured (verify's
     MemoryProbe) or timed (bench's StepTimer, after its warm-up steps)."""
-    strategy = make_strategy(name, config.train_settings())
+    strategy = make_strategy(name, config.train_settings(name))
     bench = config.job == "bench"
     probe = (StepTimer(device, config.warmup_steps) if bench
              else MemoryProbe(device, backend_code=registry.spec(name).transient_code, earlier_left=earlier_left))
@@ -411,7 +411,7 @@ def print_header(config: RunConfig, out: Path) -> None:
         unchecked = (config.grad_overflow_check is False
                      and bool(registry.reading_grad_overflow_check(config.strategies)))
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
-                            + ["blocks compiled"] * config.model.compile_blocks
+                            + ["blocks and loss compiled"] * config.model.compile_blocks
                             + ["ZeRO-1/2's bf16 gradient overflow check off"] * unchecked)
         say(f"zerolens bench: {config.nproc} ranks on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"

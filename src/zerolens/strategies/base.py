@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings
+from zerolens.models.model import compiled_loss_of, loss_of
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PHASES = ("forward", "backward", "step")  # a training step, as a Strategy runs it
@@ -53,6 +54,9 @@ class TrainSettings:
     # verify takes its census of every storage; bench on CUDA only times the steps, and a strategy then
     # adds nothing a user's loop does not have (DDP no communication hook to see its buckets).
     census: bool = True
+    # The loss compiled (models.model.compiled_loss_of): with a compiled model (--compile), in every
+    # strategy's loop and reference loop alike.
+    compile_loss: bool = False
 
 
 def engine_inputs(inputs: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -160,6 +164,10 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def teardown(self) -> None: ...
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss (models.model.loss_of), compiled where the settings say so."""
+        return (compiled_loss_of() if self.settings.compile_loss else loss_of)(logits, labels)
 
     def reference_loop(self, model: nn.Module, device: torch.device):
         """The loop this backend's users write, without zerolens, with this strategy's settings (bench's

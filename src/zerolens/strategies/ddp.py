@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings, optimizer_state_tensors, required, required_key
-from zerolens.models.model import loss_of
 from zerolens.strategies.base import (
     DTYPES,
     ScaledStrategy,
@@ -111,7 +110,7 @@ class TorchDDP(ScaledStrategy):
         with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                             enabled=self.settings.precision != "fp32"):
             logits = self.model(tokens.to(self.device))
-        return loss_of(logits, labels.to(self.device))
+        return self.loss(logits, labels.to(self.device))
 
     def accumulating(self, sync):
         # no_sync: the gradients add up in p.grad, and the buckets are reduced in the last micro-batch only.
@@ -143,7 +142,7 @@ class TorchDDP(ScaledStrategy):
                 with contextlib.nullcontext() if i == len(micro_batches) - 1 else ddp.no_sync():
                     with torch.autocast(device.type, dtype=DTYPES[s.precision], enabled=s.precision != "fp32"):
                         logits = ddp(tokens.to(device))
-                    loss = loss_of(logits, labels.to(device)) / len(micro_batches)
+                    loss = self.loss(logits, labels.to(device)) / len(micro_batches)
                     scaler.scale(loss).backward()
             optimizer_step(scaler, optimizer, model, s.gradient_clipping)
             return loss.detach()

@@ -11,7 +11,6 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerolens.measure.census import Holdings, MeasurementError, optimizer_state_tensors, required
-from zerolens.models.model import loss_of
 from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs
 
 # runtime/engine.py's MEMORY_OPT_ALLREDUCE_SIZE: stage 0's all-reduce buckets after backward close
@@ -207,7 +206,7 @@ class DeepSpeedZero(Strategy):
         dtype = DTYPES[self.settings.precision]
         self.cast_inputs = tokens.is_floating_point() and tokens.dtype != dtype
         logits = self.engine(engine_inputs(tokens, self.device, dtype))
-        return loss_of(logits, labels.to(self.device))
+        return self.loss(logits, labels.to(self.device))
 
     def backward(self, loss):
         if self.scale_loss_ourselves:
@@ -307,7 +306,7 @@ class DeepSpeedZero(Strategy):
 
         def step(micro_batches):
             for tokens, labels in micro_batches:
-                loss = loss_of(engine(engine_inputs(tokens, device, dtype)), labels.to(device))
+                loss = self.loss(engine(engine_inputs(tokens, device, dtype)), labels.to(device))
                 engine.backward(loss)
                 engine.step()
             return loss.detach()
@@ -574,7 +573,7 @@ class DeepSpeedStepModel(Strategy):
         self.boundary = True  # whether this micro-batch ends the step's accumulation (`accumulating`)
 
     def forward_loss(self, tokens, labels):
-        return loss_of(self.module(engine_inputs(tokens, self.device, self.dtype)), labels.to(self.device))
+        return self.loss(self.module(engine_inputs(tokens, self.device, self.dtype)), labels.to(self.device))
 
     @contextlib.contextmanager
     def accumulating(self, sync):

@@ -67,7 +67,6 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings
-from zerolens.models.model import loss_of
 from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs
 from zerolens.strategies.deepspeed import DeepSpeedZero, torch_adamw
 
@@ -560,7 +559,7 @@ class DeepSpeedStage3StepModel(Strategy):
                 logits = self.module(engine_inputs(tokens, self.device, self.dtype))
         finally:
             self.in_forward = False
-        return loss_of(logits, labels.to(self.device))
+        return self.loss(logits, labels.to(self.device))
 
     def backward(self, loss):
         with self.zero3_linear():

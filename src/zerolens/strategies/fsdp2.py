@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings, optimizer_state_tensors, required
-from zerolens.models.model import loss_of
 from zerolens.strategies.base import (
     DTYPES,
     ScaledStrategy,
@@ -135,7 +134,7 @@ class TorchFSDP2(ScaledStrategy):
 
     def forward_loss(self, tokens, labels):
         logits = self.module(tokens.to(self.device))
-        return loss_of(logits, labels.to(self.device))
+        return self.loss(logits, labels.to(self.device))
 
     def holdings(self):
         from torch.distributed.tensor import DTensor
@@ -191,7 +190,7 @@ class TorchFSDP2(ScaledStrategy):
 
         def step(micro_batches):
             for tokens, labels in micro_batches:
-                loss = loss_of(model(tokens.to(device)), labels.to(device)) / len(micro_batches)
+                loss = self.loss(model(tokens.to(device)), labels.to(device)) / len(micro_batches)
                 scaler.scale(loss).backward()
             optimizer_step(scaler, optimizer, model, s.gradient_clipping)
             return loss.detach()
