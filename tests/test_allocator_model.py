@@ -305,22 +305,3 @@ def test_only_the_caps_that_could_be_the_highest_are_searched():
             assert neediest[key][figure] == every[key][figure]
     assert neediest["large"]["min_allocator_cap_bytes"] == every["large"]["min_allocator_cap_bytes"]
     assert neediest["small"]["min_allocator_cap_bytes"] == neediest["smaller"]["min_allocator_cap_bytes"] == {}
-
-
-def test_a_rank_that_reserves_as_much_as_the_neediest_is_recorded_only_where_it_needs_as_much():
-    """neediest_needs where sequences reserve alike (ZeRO-1/2's ranks mostly do): one that runs under the highest
-    cap found and one granule below it is not the neediest and has no cap; one that needs all of it (a tie)
-    has it, as allocator_needs finds it."""
-    whole = [("alloc", 0, 384 * MiB, 0), ("free", 0, 0, 0)]  # reserves 384 MiB and needs them all
-    # reserves 384 MiB too (the third block finds no free one of its size), but runs under 320: the
-    # allocator frees the first block's cached segment and retries before it gives up
-    fragmented = [("alloc", 0, 64 * MiB, 0), ("alloc", 1, 192 * MiB, 0), ("free", 0, 0, 0),
-                  ("alloc", 2, 128 * MiB, 0), ("free", 1, 0, 0), ("free", 2, 0, 0)]
-    sequences = {"whole": whole, "tie": list(whole), "fragmented": fragmented}
-    every = {key: allocator_needs(requests) for key, requests in sequences.items()}
-    assert every["fragmented"]["reserved_peak_bytes"] == every["whole"]["reserved_peak_bytes"]
-    assert every["fragmented"]["min_allocator_cap_bytes"]["default"] < every["whole"]["min_allocator_cap_bytes"]["default"]
-    neediest = neediest_needs(list(sequences), sequences.get)
-    assert neediest["whole"]["min_allocator_cap_bytes"] == neediest["tie"]["min_allocator_cap_bytes"] \
-        == every["whole"]["min_allocator_cap_bytes"]
-    assert neediest["fragmented"]["min_allocator_cap_bytes"] == {}

@@ -618,10 +618,9 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
     made when replayed), but the smallest cap, per allocator setting, only of those that could need the
     most: each sequence's uncapped run gives its reserved peak, above which its smallest cap cannot lie
     (to within cap_granularity), and the caps are searched from the highest reserved peak down, each
-    whose reserved peak is below the highest cap found skipped, and one that runs under the highest cap
-    found recorded only where it needs all of it (a tie is the caller's to break). What plan needs of
-    ZeRO-1/2's ranks, of which only the neediest decides whether a job fits: a few searches instead of
-    one per rank."""
+    whose reserved peak is below the highest cap found skipped (equal ones searched: a tie is the
+    caller's to break). What plan needs of ZeRO-1/2's ranks, of which only the neediest decides whether
+    a job fits: a few searches instead of one per rank."""
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
     if allocator_setting(alloc_conf)[0] == USER_SETTING:
         settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
@@ -647,28 +646,10 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
             granularity = cap_granularity(reserved[key])
             if -(-reserved[key] // granularity) * granularity < highest:
                 continue  # its cap, at most its reserved peak, is below one found
-            requests = sequence(key)
-            if highest and highest % granularity == 0 and runs_in_every_order(requests, highest, options):
-                # At most the highest found (ZeRO-1/2's ranks mostly reserve alike): only a tie matters,
-                # which two replays per order tell, where a search takes about ten.
-                if runs_in_every_order(requests, highest - granularity, options):
-                    continue
-                cap = highest
-            else:
-                cap = cap_over_orders(requests, granularity=granularity, uncapped=uncapped[key], **options)
+            cap = cap_over_orders(sequence(key), granularity=granularity, uncapped=uncapped[key], **options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
     return out
-
-
-def runs_in_every_order(requests: list, cap: int, settings: dict) -> bool:
-    """Whether the requests run under `cap` in each address order (address_orders) of `settings`."""
-    for order in address_orders(settings):
-        try:
-            run_requests(requests, cap=cap, addresses=order, **settings)
-        except OutOfMemory:
-            return False
-    return True
 
 
 def address_orders(settings: dict) -> tuple[str, ...]:
