@@ -305,3 +305,20 @@ def test_only_the_caps_that_could_be_the_highest_are_searched():
             assert neediest[key][figure] == every[key][figure]
     assert neediest["large"]["min_allocator_cap_bytes"] == every["large"]["min_allocator_cap_bytes"]
     assert neediest["small"]["min_allocator_cap_bytes"] == neediest["smaller"]["min_allocator_cap_bytes"] == {}
+
+
+def test_a_sequence_can_run_out_of_memory_under_a_cap_above_its_smallest():
+    """Runs are not monotonic in the cap (allocator.runs_under; plan checks each configuration under the GPU's
+    memory itself). Under 36 MiB the 24 MiB block does not fit beside the cached 16 MiB segment, which the
+    allocator frees and retries: the 16 and 12 MiB blocks then share the 24 MiB segment and a 12 MiB one, and
+    the last 20 MiB block takes the freed 16 + 8. Under 40 MiB nothing stops it until that last block, where
+    freeing the cached 16 MiB segment leaves 24 + 20 = 44 MiB: out of memory. From 44 MiB on it runs again."""
+    sequence = [("alloc", 0, 16 * MiB, 0), ("free", 0, 0, 0), ("alloc", 1, 24 * MiB, 0), ("free", 1, 0, 0),
+                ("alloc", 2, 16 * MiB, 0), ("alloc", 3, 12 * MiB, 0), ("free", 2, 0, 0), ("alloc", 4, 20 * MiB, 0)]
+    under = {cap: allocator_needs(sequence, try_cap=cap * MiB) for cap in (34, 36, 38, 40, 42, 44, 60)}
+    assert all(needs["min_allocator_cap_bytes"]["default"] == 36 * MiB for needs in under.values())
+    assert {cap: needs["runs_under_cap"]["default"] for cap, needs in under.items()} == {
+        34: False, 36: True, 38: True, 40: False, 42: False, 44: True, 60: True}
+    # with expandable segments the cap is the reserved peak, and a cap below it never runs
+    assert under[60]["min_allocator_cap_bytes"]["expandable_segments"] == 60 * MiB
+    assert [needs["runs_under_cap"]["expandable_segments"] for needs in under.values()] == [False] * 6 + [True]

@@ -41,6 +41,8 @@ def test_what_fits_is_within_memory_and_what_does_not_is_said():
     result = plan.plan(tiny("ddp", "zero2"), memory=memory, micro_batches=[1, 2, 4, 64], reduce_bucket_sizes=[50_000_000],
                        cuda_capability=(9, 0), depth_search=False)
     assert result["fits"] and all(r["needs_bytes"] <= memory and r["strategy"] == "ddp" for r in result["fits"])
+    # each also run under the memory itself, less what the process holds outside the allocator
+    assert all(r["runs_in_memory"] for r in result["fits"])
     for r in result["fits"] + result["does_not_fit"]:
         assert r["needs_bytes"] == r["min_allocator_cap_bytes"] + r["outside_allocator_bytes"]
         assert r["min_allocator_cap_bytes"] >= r["peak_bytes"]  # no cap below the allocated peak
@@ -50,7 +52,7 @@ def test_what_fits_is_within_memory_and_what_does_not_is_said():
     assert all(r["barely"] == (r["headroom_bytes"] < plan.PREDICTION_MARGIN * memory) for r in result["fits"])
     failing = {(r["strategy"], r["micro_batch"], r["checkpointing"]) for r in result["does_not_fit"]}
     assert ("zero2", 1, False) in failing and ("zero2", 1, True) in failing
-    assert all(r["needs_bytes"] > memory for r in result["does_not_fit"])
+    assert all(r["needs_bytes"] > memory or not r["runs_in_memory"] for r in result["does_not_fit"])
     # Those with room first, then the cheapest: no recomputation before recomputation, then fewer bytes
     # sent per sample.
     keys = [plan.cost_key(r) for r in result["fits"]]
@@ -101,8 +103,8 @@ def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypa
     memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
     calls = []
     real = plan.predicted_peak
-    monkeypatch.setattr(plan, "predicted_peak", lambda c, cap, trace=None: calls.append(
-        (c.model.num_layers, c.micro_batch, trace is None)) or real(c, cap, trace=trace))
+    monkeypatch.setattr(plan, "predicted_peak", lambda c, cap, trace=None, memory=None: calls.append(
+        (c.model.num_layers, c.micro_batch, trace is None)) or real(c, cap, trace=trace, memory=memory))
     result = plan.plan(config, memory=memory, micro_batches=[1, 2], reduce_bucket_sizes=[config.reduce_bucket_size],
                        cuda_capability=(9, 0))
     deepest = result["deepest"]["strategies"]["ddp"]

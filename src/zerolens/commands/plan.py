@@ -80,24 +80,31 @@ class Candidate:
                 + (f"-bucket{self.reduce_bucket_size:.0e}".replace("+", "") if self.reduce_bucket_size else ""))
 
 
-def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=None) -> dict:
+def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=None, memory: int | None = None) -> dict:
     """What a one-strategy config needs on each GPU, for its rank that needs the most: the smallest cap
     under which the caching allocator runs its allocations (the allocator setting of this process's
     PYTORCH_CUDA_ALLOC_CONF) plus what the process holds outside the allocator (`needs_bytes`), the
     same with expandable segments (`needs_expandable_bytes`), and its allocated peaks; or why it is not
-    predicted (`why_not`). `trace`: as peak.predict_or_why_not (`scaled_from` says where a
-    MicroBatchScaling scaled the trace from others)."""
+    predicted (`why_not`). With `memory` (a GPU's), whether every rank's allocations also run under that
+    memory less what the process holds outside the allocator (`runs_in_memory`, and with expandable
+    segments `runs_in_memory_expandable`): runs are not monotonic in the cap (allocator.runs_under), so
+    a need within the memory does not say it alone. `trace`: as peak.predict_or_why_not (`scaled_from`
+    says where a MicroBatchScaling scaled the trace from others)."""
     from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes
     from zerolens.predict.peak import predicted_peaks
     registry.load_plugins()  # in a pool's fresh process too
     name = config.strategies[0]
+    outside = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
     # Of ZeRO-1/2's ranks, the smallest caps only of those that could need the most (peak.spliced_ranks)
-    predicted = predicted_peaks(config, cuda_capability, trace=trace, allocator_caps="neediest")[name]
+    predicted = predicted_peaks(config, cuda_capability, trace=trace, allocator_caps="neediest",
+                                try_cap=None if memory is None else memory - outside)[name]
     if "ranks" not in predicted:
         return {"why_not": predicted["why_not"]}
     setting, _ = allocator_setting()
-    outside = outside_allocator_bytes(registry.spec(name).needs_deepspeed)
     ranks = predicted["ranks"]
+    runs = {} if memory is None else {
+        "runs_in_memory": all(r["runs_under_cap"][setting] for r in ranks),
+        "runs_in_memory_expandable": all(r["runs_under_cap"]["expandable_segments"] for r in ranks)}
 
     def searched(setting_: str) -> list[int]:  # the ranks whose smallest cap under the setting was searched
         return [r for r in range(config.nproc) if setting_ in ranks[r].get("min_allocator_cap_bytes", {})]
@@ -109,7 +116,17 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=No
                                           for r in searched("expandable_segments")) + outside,
             "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
             **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")},
-            **({"scaled_from": peaks["scaled_from"]} if "scaled_from" in peaks else {})}
+            **({"scaled_from": peaks["scaled_from"]} if "scaled_from" in peaks else {}), **runs}
+
+
+def fits(peak: dict, memory: int) -> bool:
+    """Whether a predicted_peak (of `memory`) fits: its need within the memory, and its allocations run
+    under the memory itself (they can need no more than it and still run out of memory there)."""
+    return peak["needs_bytes"] <= memory and peak.get("runs_in_memory", True)
+
+
+def fits_with_expandable_segments(peak: dict, memory: int) -> bool:
+    return peak["needs_expandable_bytes"] <= memory and peak.get("runs_in_memory_expandable", True)
 
 
 def with_depth(config: RunConfig, depth: int) -> RunConfig:
@@ -120,24 +137,29 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
                   known=None, progress=None) -> dict:
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
     strategy (deepest_fitting, from the config's own depth; `traced`: every depth predicted and its need).
-    `predict(config, cuda_capability)`: where each trial is predicted (predicted_peak, or a pool's
+    `predict(config, cuda_capability, memory)`: where each trial is predicted (predicted_peak, or a pool's
     worker); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
-    else None; `progress(line)` hears of each trial."""
+    else None; `progress(line)` hears of each trial. A depth whose need is within the memory but whose
+    allocations run out of memory under the memory itself (predicted_peak's `runs_in_memory`) does not
+    fit: the search takes its need as one byte more than the memory."""
     traced: dict[int, int] = {}
     why_not = []
     name = config.strategies[0]
 
     def need(depth: int) -> int | None:
-        predicted = (known and known(depth)) or (predict or predicted_peak)(with_depth(config, depth), cuda_capability)
+        predicted = (known and known(depth)) or (predict or predicted_peak)(with_depth(config, depth), cuda_capability,
+                                                                           memory=memory)
         if "why_not" in predicted:
             why_not.append(predicted["why_not"])
             return None
         traced[depth] = predicted["needs_bytes"]
+        fitting = fits(predicted, memory)
         if progress:
             progress(f"{name}: {depth} layer{'' if depth == 1 else 's'} need{'s' if depth == 1 else ''} "
                      f"{traced[depth] / GiB:.3f} GiB"
-                     + ("" if traced[depth] <= memory else ", more than the memory"))
-        return traced[depth]
+                     + ("" if fitting else ", more than the memory" if traced[depth] > memory
+                        else ", but run out of memory under the memory itself"))
+        return traced[depth] if fitting else max(traced[depth], memory + 1)
 
     depth = deepest_fitting(need, memory, MAX_DEPTH, start=config.model.num_layers)
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
@@ -262,7 +284,8 @@ def deepest_of(config: RunConfig, name: str, memory: int, cuda_capability: tuple
             return None
         return dict(walks[element].result()).get(config.micro_batch)
     return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
-                         predict=lambda c, cap: executor.submit(predicted_peak, c, cap).result(), known=known,
+                         predict=lambda c, cap, memory: executor.submit(predicted_peak, c, cap, None, memory).result(),
+                         known=known,
                          progress=progress and (lambda line: progress(f"depth search, {line}")))
 
 
@@ -282,12 +305,12 @@ def grid_rows(config: RunConfig, walks: dict, memory: int, params: int, progress
             sent = communication_bytes(c.strategy, params, config.nproc, config.precision)
             row = {**dataclasses.asdict(c), **peak, "headroom_bytes": memory - peak["needs_bytes"],
                    "barely": memory - peak["needs_bytes"] < PREDICTION_MARGIN * memory,
-                   "fits_with_expandable_segments": peak["needs_expandable_bytes"] <= memory,
+                   "fits_with_expandable_segments": fits_with_expandable_segments(peak, memory),
                    "sent_per_step_bytes": sent,
                    "sent_per_sample_bytes": None if sent is None else sent / c.micro_batch}
-            (rows if peak["needs_bytes"] <= memory else too_large).append(row)
+            (rows if fits(peak, memory) else too_large).append(row)
         if progress and predicted:
-            fitting = [mb for mb, peak in predicted if peak.get("needs_bytes", memory + 1) <= memory]
+            fitting = [mb for mb, peak in predicted if "why_not" not in peak and fits(peak, memory)]
             scaled = sum("scaled_from" in peak for _, peak in predicted)
             progress(f"{Candidate(name, 0, ckpt, bucket).label().replace('-mb0', '')}: "
                      + (f"fits up to micro-batch {max(fitting)}" if fitting else "does not fit")
@@ -308,9 +331,9 @@ def micro_batch_walk(config: RunConfig, element: tuple, micro_batches: list[int]
     walked = []
     for micro_batch in sorted(micro_batches):
         peak = predicted_peak(Candidate(name, micro_batch, ckpt, bucket).config(config), cuda_capability,
-                              trace=scaling)
+                              trace=scaling, memory=memory)
         walked.append((micro_batch, peak))
-        if "why_not" in peak or peak["needs_bytes"] > memory:
+        if "why_not" in peak or not fits(peak, memory):
             break
     return walked
 
@@ -362,7 +385,9 @@ def render_plan(result: dict, top: int) -> list:
     if smallest_failing:
         lines.append("Does not fit, nor would a larger micro-batch: " + "; ".join(
             f"{name}{' with ckpt' if ckpt else ''}{'' if bucket is None else f' (bucket {bucket_text(bucket)})'} at "
-            f"micro-batch {r['micro_batch']} (needs {in_unit(r['needs_bytes'], unit, 2)} {label})"
+            f"micro-batch {r['micro_batch']} (needs {in_unit(r['needs_bytes'], unit, 2)} {label}"
+            + (", but runs out of memory under the GPU's own: the allocator's runs are not monotonic in its cap"
+               if r["needs_bytes"] <= memory else "") + ")"
             for (name, ckpt, bucket), r in smallest_failing.items()) + ".")
     if result["allocator_setting"] == "default":
         rescued = [r for r in result["does_not_fit"] if r["fits_with_expandable_segments"]]

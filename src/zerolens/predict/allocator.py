@@ -600,7 +600,8 @@ def cap_granularity(reserved_peak: int) -> int:
     return max(1, reserved_peak // CAP_PRECISION // SMALL_BUFFER) * SMALL_BUFFER
 
 
-def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str | None = None) -> dict[str, dict[str, int]]:
+def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str | None = None,
+                    try_cap: int | None = None) -> dict[str, dict[str, int]]:
     """What one rank's requests (a peak trace's, predict/peak.py) need from the caching allocator:
     `reserved_peak_bytes`, the most it reserves with no cap, `min_allocator_cap_bytes`, the smallest
     cap under which they run (to within cap_granularity), and `allocated_peak_bytes`, the allocated peak as the allocator counts
@@ -609,18 +610,20 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
     (("phase", (step, phase), ...): its highest over the steps), each per allocator setting:
     "default", "expandable_segments", and "PYTORCH_CUDA_ALLOC_CONF" where this process's (or
     `alloc_conf`) sets an option the model follows besides expandable segments (max_split_size_mb,
-    roundup_power2_divisions)."""
-    return neediest_needs([None], lambda _: requests, alloc_conf)[None]
+    roundup_power2_divisions). With `try_cap`, also `runs_under_cap`, per setting: whether they run under
+    that cap itself (runs_under)."""
+    return neediest_needs([None], lambda _: requests, alloc_conf, try_cap)[None]
 
 
-def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
+def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap: int | None = None) -> dict:
     """allocator_needs of each of several sequences (`sequence(key)`: the requests of each of `keys`,
     made when replayed), but the smallest cap, per allocator setting, only of those that could need the
     most: each sequence's uncapped run gives its reserved peak, above which its smallest cap cannot lie
     (to within cap_granularity), and the caps are searched from the highest reserved peak down, each
     whose reserved peak is below the highest cap found skipped (equal ones searched: a tie is the
     caller's to break). What plan needs of ZeRO-1/2's ranks, of which only the neediest decides whether
-    a job fits: a few searches instead of one per rank."""
+    a job fits: a few searches instead of one per rank. With `try_cap` (plan's: the GPU's memory less
+    what the process holds outside the allocator), each key's `runs_under_cap` per setting (runs_under)."""
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
     if allocator_setting(alloc_conf)[0] == USER_SETTING:
         settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
@@ -649,7 +652,28 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None) -> dict:
             cap = cap_over_orders(sequence(key), granularity=granularity, uncapped=uncapped[key], **options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
+        if try_cap is not None:
+            for key in keys:
+                out[key].setdefault("runs_under_cap", {})[name] = runs_under(
+                    sequence(key), try_cap, options, reserved_peak=reserved[key])
     return out
+
+
+def runs_under(requests: list, cap: int, settings: dict, reserved_peak: int | None = None) -> bool:
+    """Whether the requests run under `cap` in every address order (address_orders) of `settings`.
+    Not the same as `cap` being at least their smallest cap: a sequence's runs are not monotonic in the
+    cap (the allocator frees its cached segments and retries only where a cap stops it, and a lower cap
+    can stop it where freeing leaves less fragmented memory), and a bisection can stop below a window
+    of caps under which it runs out of memory (tests/test_allocator_model.py). `reserved_peak`: what
+    they reserve with no cap, where known: a cap at least that never stops them."""
+    if reserved_peak is not None and reserved_peak <= cap:
+        return True
+    for order in address_orders(settings):
+        try:
+            run_requests(requests, cap=cap, addresses=order, **settings)
+        except OutOfMemory:
+            return False
+    return True
 
 
 def address_orders(settings: dict) -> tuple[str, ...]:

@@ -80,7 +80,8 @@ class DepthScaling:
                                                   cuda_capability=cuda_capability, **options) for d in TRACED_DEPTHS}
                 record, why = deepened(records, depth)
                 if record is not None:
-                    return rank_outcome(record) | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
+                    outcome = rank_outcome(record, options.get("try_cap"))
+                    return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
         out, record = self.inner(name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets,
                                  **options)
         return (out | {"why_not_depth_scaled": why} if why else out), record

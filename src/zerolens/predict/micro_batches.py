@@ -53,7 +53,7 @@ class MicroBatchScaling:
                 self.why_not[window] = not_on_a_line(records)
             record = None if self.why_not[window] else scaled_record(records, micro_batch)
             if record is not None:
-                return rank_outcome(record) | {"scaled_from": sorted(records)}, record
+                return rank_outcome(record, options.get("try_cap")) | {"scaled_from": sorted(records)}, record
         out, record = traced_rank(name, model_config, settings, cuda_capability=cuda_capability,
                                   **options)
         if record["requests"] is not None and (not records or micro_batch > max(records)):

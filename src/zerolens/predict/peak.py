@@ -268,7 +268,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
 
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                 cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
-                requests: list | None = None, brackets: bool = False, outcome: bool = True) -> tuple[dict | None, dict]:
+                requests: list | None = None, brackets: bool = False, outcome: bool = True,
+                try_cap: int | None = None) -> tuple[dict | None, dict]:
     """predict_peaks (None without `outcome`: the allocator model not run), and the trace's record, what a splice (spliced_ranks) or a scaling to other
     micro-batches (predict/micro_batches.py) needs of it: `requests`, the allocation sequence (with
     each phase's start marked, and with `brackets` the step model's
@@ -364,20 +365,22 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
               "batch_bytes": tokens.nbytes + labels.nbytes,
               "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
               if cuda_capability is None else {}}
-    return rank_outcome(record) if outcome else None, record
+    return rank_outcome(record, try_cap) if outcome else None, record
 
 
-def rank_outcome(record: dict) -> dict:
+def rank_outcome(record: dict, try_cap: int | None = None) -> dict:
     """predict_peaks from a trace's record (traced_rank's, or one scaled from others): the peaks, and
-    for a CUDA target the allocator model's figures, except for a trace with brackets, which stands
-    for every rank (spliced_ranks gives each its own)."""
+    for a CUDA target the allocator model's figures (with `try_cap`, whether it runs under that cap:
+    allocator.allocator_needs), except for a trace with brackets, which stands for every rank
+    (spliced_ranks gives each its own)."""
     cuda_capability = record["cuda_capability"]
     steps = 1 + max(step for step, _ in record["phase_peaks"])
     traced = [{phase: record["phase_peaks"][(step, phase)] for phase in PHASES} for step in range(steps)]
     workspace = cublas_workspace_bytes(cuda_capability)
     out = peaks_of(traced, record["held"], workspace)
     brackets = record["brackets"]
-    needs = allocator_needs(plain_requests(record["requests"])) if cuda_capability is not None and not brackets else {}
+    needs = allocator_needs(plain_requests(record["requests"]), try_cap=try_cap) \
+        if cuda_capability is not None and not brackets else {}
     return out | needs | {"cublas_workspace_bytes": workspace, "target": "cpu" if cuda_capability is None else "cuda",
                           "traced_on": record["traced_on"], "batch_bytes": record["batch_bytes"],
                           "gloo_late_free_bytes": record["gloo_late_free_bytes"]}
@@ -563,25 +566,28 @@ def why_not_predicted(name: str, config) -> str | None:
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None,
-                    trace=None, allocator_caps: str = "every") -> dict[str, dict]:
+                    trace=None, allocator_caps: str = "every", try_cap: int | None = None) -> dict[str, dict]:
     """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
     many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer). `trace`,
-    `allocator_caps`: as predict_or_why_not."""
+    `allocator_caps`, `try_cap`: as predict_or_why_not."""
     return {name: predict_or_why_not(name, config.model, config.train_settings(), seed=config.seed,
                                      cuda_capability=cuda_capability, trace_on=trace_on, trace=trace,
-                                     allocator_caps=allocator_caps, steps=min(STEPS, config.steps + config.warmup_steps))
+                                     allocator_caps=allocator_caps, try_cap=try_cap,
+                                     steps=min(STEPS, config.steps + config.warmup_steps))
             for name in config.strategies}
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, *, trace=None,
-                       allocator_caps: str = "every", **options) -> dict:
+                       allocator_caps: str = "every", try_cap: int | None = None, **options) -> dict:
     """{"ranks": predict_peaks of each rank of settings.world_size} or {"why_not": ...}: for ZeRO-1/2,
     one trace spliced for every rank (spliced_ranks); else one trace standing for all the ranks that
     allocate alike (ranks_alike). A model that cannot be traced on fake tensors is not predicted, and
     its run goes on; the traceback is kept (`traceback`) in case the fault is a step model's.
     `trace`: what traces a rank, traced_rank's signature (traced_rank itself where None; plan's
     micro_batches.MicroBatchScaling, which scales earlier traces where they allow). `allocator_caps`:
-    "every" rank's smallest caps, or only "neediest", those that could be the highest (spliced_ranks)."""
+    "every" rank's smallest caps, or only "neediest", those that could be the highest (spliced_ranks).
+    `try_cap`: a cap every rank's allocations are also run under (plan's: the GPU's memory less what the
+    process holds outside the allocator), each rank's `runs_under_cap` per allocator setting."""
     why = why_not_traced(name, model_config, settings)
     if why:
         return {"why_not": why}
@@ -590,9 +596,10 @@ def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSett
         spec = registry.spec(name)
         if spec.flat_partition and hasattr(spec.step_model_class(), "rank_requests"):
             return {"ranks": spliced_ranks(name, model_config, settings, trace=trace, allocator_caps=allocator_caps,
-                                           **options)}
+                                           try_cap=try_cap, **options)}
         alike = ranks_alike(name, model_config, settings)
-        traced = {rank: trace(name, model_config, settings, rank=rank, **options)[0] for rank in set(alike.values())}
+        traced = {rank: trace(name, model_config, settings, rank=rank, try_cap=try_cap, **options)[0]
+                  for rank in set(alike.values())}
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
         return {"why_not": f"the trace on fake tensors failed ({type(e).__name__}: {first_line})",
@@ -608,7 +615,7 @@ ALLOCATOR_REPLAYS = 8
 
 def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings, *,
                   cuda_capability: tuple[int, int] | None = None, trace=None, allocator_caps: str = "every",
-                  **options) -> list[dict]:
+                  try_cap: int | None = None, **options) -> list[dict]:
     """Every rank's predict_peaks from one trace, for a step model whose ranks differ only in what it
     allocates inside its rank_own brackets (DeepSpeed ZeRO-1/2: each rank's gradient buffer, the
     pieces of its slice, its padding). Rank 0 is traced with the brackets marked; each rank's
@@ -648,10 +655,10 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
         def sequence(rank: int) -> list:
             return plain_requests(spliced_requests(requests, step_model.rank_requests(rank), tracked_bytes))
         if allocator_caps == "neediest":  # each sequence made again when replayed, not all held at once
-            needs = neediest_needs(list(first_with), lambda content: sequence(first_with[content]))
+            needs = neediest_needs(list(first_with), lambda content: sequence(first_with[content]), try_cap=try_cap)
         else:
             replayed = sorted(first_with.values(), key=lambda r: -ranks[r]["peak_bytes"])[:ALLOCATOR_REPLAYS]
-            needs = {contents[r]: allocator_needs(sequence(r)) for r in replayed}
+            needs = {contents[r]: allocator_needs(sequence(r), try_cap=try_cap) for r in replayed}
         for rank, content in enumerate(contents):
             ranks[rank] |= needs.get(content) or {"allocator_not_replayed": (
                 f"the {settings.world_size} ranks make {len(first_with)} distinct allocation sequences, and the "
