@@ -259,9 +259,8 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
                        "on as many cores; the memory figures are the same")
     # bench's defaults on GPUs are what fast training runs (issue 25): fused AdamW, and a GPT preset's
     # blocks and loss compiled at micro-batch 32 (BENCH_GPU_MICRO_BATCH); --no-fused-adam / --no-compile
-    # for torch's defaults. Elsewhere
-    # (and in maxsize, whose trials are two steps) they are off: verify's figures are measured with
-    # foreach AdamW, and a compiled model's peak is not predicted.
+    # for torch's defaults. Elsewhere (and in maxsize, whose trials are two steps) they are off: verify's
+    # figures are measured with foreach AdamW, and a compiled model's peak is not predicted.
     fast = getattr(args, "speed_defaults", job_of(args) == "bench") and device == "cuda"
     gpt_preset = not args.model and PRESETS[args.preset].kind == "gpt"
     fused_adam = fast if args.fused_adam is None else args.fused_adam
