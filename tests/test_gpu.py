@@ -133,8 +133,8 @@ def test_a_single_rank_verify_on_one_gpu(tmp_path):
 
 @pytest.mark.gpu(1)
 def test_bench_on_one_gpu_with_its_defaults(tmp_path):
-    """bench on one GPU with its defaults there (fused AdamW, the preset's blocks and loss compiled, reference loops),
-    in two interleaved rounds, each process compiling; the rounds' arithmetic is tested on the CPU
+    """bench on one GPU with its defaults there (fused AdamW, the preset's blocks and loss compiled, reference
+    loops), in two interleaved rounds, each process compiling; the rounds' arithmetic is tested on the CPU
     (test_bench.py). MFU is also set against the matrix-product rate measured in the run."""
     bench = tmp_path / "bench"
     result = zerolens("bench", "--preset", "gpt-tiny", "--nproc", "1", "--device", "cuda", "--warmup", "1",
