@@ -127,3 +127,32 @@ def test_the_ddp_step_model_broadcasts_the_module_as_ddp_does():
     # the two buckets' buffers, then the Reducer's first gradient bucket (all of them; the step model's wrap)
     assert real == [*modelled, weights + biases] and modelled == [3 * 5120 * 5120 * 4 + 2 * 5120 * 4,
                                                                   2 * 5120 * 5120 * 4 + 3 * 5120 * 4]
+
+
+@pytest.mark.slow
+def test_a_compiled_models_loss_is_the_eager_loss_compiled():
+    """bench compiles the loss with a compiled GPT (TrainSettings.compile_loss, through Strategy.loss in every
+    loop and reference loop): the same loss and the same bf16 gradient of the logits as loss_of, labels of
+    -100 ignored alike; without compile_loss, loss_of itself."""
+    import torch
+
+    from zerolens.models.model import compiled_loss_of, loss_of
+    from zerolens.strategies import TrainSettings
+    from zerolens.strategies.ddp import TorchDDPStepModel
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, 50, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 8))
+    labels[0, :3] = -100
+    results = []
+    for compile_loss in (False, True):
+        strategy = TorchDDPStepModel(TrainSettings(precision="bf16", world_size=1, compile_loss=compile_loss),
+                                     rank=0, cuda=False)
+        loss = strategy.loss(logits, labels)
+        loss.backward()
+        results.append((loss.detach(), logits.grad))
+        logits.grad = None
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    assert torch.equal(eager, loss_of(logits, labels).detach())
+    assert torch.allclose(compiled, eager, rtol=1e-6) and compiled_grad.dtype == torch.bfloat16
+    assert torch.equal(compiled_grad, eager_grad)
+    assert compiled_loss_of() is compiled_loss_of()  # compiled once per process
