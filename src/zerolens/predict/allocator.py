@@ -562,6 +562,15 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
     return allocator
 
 
+def runs(requests: list[tuple[str, int, int, int]], cap: int, **settings) -> bool:
+    """Whether the requests run under `cap` (run_requests, `settings` its own) without an out-of-memory error."""
+    try:
+        run_requests(requests, cap=cap, **settings)
+    except OutOfMemory:
+        return False
+    return True
+
+
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int = SMALL_BUFFER,
                  uncapped: CachingAllocator | None = None, **settings) -> int:
     """The smallest cap, a multiple of `granularity` (segments are whole multiples of 2 MiB), under which
@@ -575,17 +584,14 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     # the default allocator and a third of those with expandable segments (docs/results/1xh200/issue21,
     # traces.json.gz), where this one run ends the search.
     if low < high:
-        try:
-            run_requests(requests, cap=(high - 1) * granularity, **settings)
-        except OutOfMemory:
+        if not runs(requests, (high - 1) * granularity, **settings):
             return high * granularity
         high -= 1
     while low < high:
         middle = (low + high) // 2
-        try:
-            run_requests(requests, cap=middle * granularity, **settings)
+        if runs(requests, middle * granularity, **settings):
             high = middle
-        except OutOfMemory:
+        else:
             low = middle + 1
     return high * granularity
 
@@ -635,12 +641,16 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
             requests = sequence(key)
             uncapped[key] = {order: run_requests(requests, addresses=order, **options)
                              for order in address_orders(options)}
-        reserved = {key: max(run.reserved_peak for run in runs.values()) for key, runs in uncapped.items()}
-        for key, runs in uncapped.items():
+            if try_cap is not None:  # with the sequence in hand, not made again
+                reserved_peak = max(run.reserved_peak for run in uncapped[key].values())
+                out[key].setdefault("runs_under_cap", {})[name] = \
+                    reserved_peak <= try_cap or runs_under(requests, try_cap, options)
+        reserved = {key: max(run.reserved_peak for run in order_runs.values()) for key, order_runs in uncapped.items()}
+        for key, order_runs in uncapped.items():
             out[key]["reserved_peak_bytes"][name] = reserved[key]
-            out[key]["allocated_peak_bytes"][name] = max(run.allocated_peak for run in runs.values())
+            out[key]["allocated_peak_bytes"][name] = max(run.allocated_peak for run in order_runs.values())
             phases: dict[str, int] = {}
-            for run in runs.values():
+            for run in order_runs.values():
                 for (_, phase), peak in run.phase_peaks.items():
                     phases[phase] = max(phases.get(phase, 0), peak)
             out[key]["allocated_phase_peaks"][name] = phases
@@ -652,28 +662,17 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
             cap = cap_over_orders(sequence(key), granularity=granularity, uncapped=uncapped[key], **options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
-        if try_cap is not None:
-            for key in keys:
-                out[key].setdefault("runs_under_cap", {})[name] = runs_under(
-                    sequence(key), try_cap, options, reserved_peak=reserved[key])
     return out
 
 
-def runs_under(requests: list, cap: int, settings: dict, reserved_peak: int | None = None) -> bool:
+def runs_under(requests: list, cap: int, settings: dict) -> bool:
     """Whether the requests run under `cap` in every address order (address_orders) of `settings`.
     Not the same as `cap` being at least their smallest cap: a sequence's runs are not monotonic in the
     cap (the allocator frees its cached segments and retries only where a cap stops it, and a lower cap
     can stop it where freeing leaves less fragmented memory), and a bisection can stop below a window
-    of caps under which it runs out of memory (tests/test_allocator_model.py). `reserved_peak`: what
-    they reserve with no cap, where known: a cap at least that never stops them."""
-    if reserved_peak is not None and reserved_peak <= cap:
-        return True
-    for order in address_orders(settings):
-        try:
-            run_requests(requests, cap=cap, addresses=order, **settings)
-        except OutOfMemory:
-            return False
-    return True
+    of caps under which it runs out of memory (tests/test_allocator_model.py). A cap at least what they
+    reserve with no cap never stops them (neediest_needs replays only below it)."""
+    return all(runs(requests, cap, addresses=order, **settings) for order in address_orders(settings))
 
 
 def address_orders(settings: dict) -> tuple[str, ...]:
@@ -690,12 +689,8 @@ def cap_over_orders(requests: list, *, granularity: int = SMALL_BUFFER, uncapped
                             for order in address_orders(settings)}
     cap = 0
     for order, run in uncapped.items():
-        if cap:
-            try:
-                run_requests(requests, cap=cap, addresses=order, **settings)
-                continue
-            except OutOfMemory:
-                pass
+        if cap and runs(requests, cap, addresses=order, **settings):
+            continue
         cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order, **settings))
     return cap
 
