@@ -174,12 +174,14 @@ def deepest_fitting(need, memory: int, max_depth: int, start: int | None = None)
     The answer was seen to fit, and one layer more not to (or is the cap).
 
     A trial costs more the deeper it is, so the search aims at the pair of trials that ends it. After one
-    layer and `start` (the config's own depth, where given), each round draws the line through the two
-    trials nearest the boundary (each trial's need is known whether it fits or not, and grows about
-    linearly with depth), and tries the layer past the deepest depth the line says fits, then, where that
-    did not fit, that depth itself. Where a round did not halve the bracket, its middle is tried too, so
-    that a need far from a line still ends in about as many rounds as a bisection. For a linear need:
-    one layer, `start` and the pair."""
+    layer and `start` (the config's own depth, where given), each trial is drawn from the line through
+    the two trials nearest the boundary (each trial's need is known whether it fits or not, and grows
+    about linearly with depth), drawn again after every trial: the layer past the deepest depth the line
+    says fits, or, where that one was tried, that depth itself. Where two trials did not halve the
+    bracket, its middle is tried too, so that a need far from a line still ends in about as many rounds
+    as a bisection. For a linear need: one layer, `start` and the pair. (Drawn once for both of the pair,
+    the line had FSDP2-grad's gpt-1b at 8 ranks in 24 GiB try 31, 30, 28 and 29 layers; drawn again,
+    31, 28 and 29: docs/results/cpu-2proc/issue21/plan-time/.)"""
     needs: dict[int, int] = {}
     lo, hi = 1, max_depth + 1  # lo fits; hi does not, or is past the cap (not tried)
 
@@ -203,15 +205,18 @@ def deepest_fitting(need, memory: int, max_depth: int, start: int | None = None)
         return 0
     while hi - lo > 1:
         before = hi - lo
-        # The line through lo and hi where hi was tried, else through the two deepest that fit.
-        a, b = (lo, hi) if hi in needs else (max((d for d in needs if d < lo), default=lo), lo)
-        slope = (needs[b] - needs[a]) / (b - a) if b != a else 0
-        guess = lo + int((memory - needs[lo]) // slope) if slope > 0 else 2 * lo
-        if hi not in needs:  # beyond every trial the line is an extrapolation: at most 16 times lo
-            guess = min(guess, 16 * lo)
-        guess = min(max(guess, lo), hi - 1)
-        for depth in (guess + 1, guess):
-            if lo < depth < hi and tried(depth) is None:
+        for _ in range(2):
+            if hi - lo <= 1:
+                break
+            # The line through lo and hi where hi was tried, else through the two deepest that fit.
+            a, b = (lo, hi) if hi in needs else (max((d for d in needs if d < lo), default=lo), lo)
+            slope = (needs[b] - needs[a]) / (b - a) if b != a else 0
+            guess = lo + int((memory - needs[lo]) // slope) if slope > 0 else 2 * lo
+            if hi not in needs:  # beyond every trial the line is an extrapolation: at most 16 times lo
+                guess = min(guess, 16 * lo)
+            guess = min(max(guess, lo), hi - 1)
+            # The layer past the deepest the line says fits, else (tried: hi) that depth itself
+            if tried(guess + 1 if guess + 1 < hi else guess) is None:
                 return 0
         if hi - lo > 1 and hi <= max_depth and hi - lo > before / 2 and tried((lo + hi) // 2) is None:
             return 0
