@@ -154,6 +154,7 @@ def test_where_the_peaks_were_traced_is_said(capsys):
     assert run_json(capsys, "--params", "1e9", "--strategies", "zero2")["traced_on"] is None  # nothing traced
 
 
+@pytest.mark.slow
 def test_what_each_rank_needs_from_the_allocator_is_given(capsys, monkeypatch):
     """On CUDA each rank's reserved peak and smallest allocator cap, with and without expandable
     segments, and the memory outside the allocator; the table's "needs" follows the user's setting."""
@@ -228,6 +229,7 @@ def test_the_table_shows_the_rank_that_needs_the_most(capsys, monkeypatch):
     assert rows == [["zero2", "0"], ["zero2", str(largest)], ["zero2", str(other["rank"])]]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_is_estimated_for_every_strategy(cli):
     """--grad-accum 2 (what the trace does with it: test_predict_peak): DDP's, ZeRO-2's and ZeRO-3's
     peaks are predicted."""

@@ -105,6 +105,7 @@ def test_a_hang_before_the_process_group_exists_is_ended_too(tmp_path):
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.slow
 def test_the_watchdog_ends_its_own_children_without_any_heartbeat(tmp_path):
     """A worker that never wrote a heartbeat (hung while starting) is ended all the same: the
     watchdog signals the processes it started, not PIDs read from files."""

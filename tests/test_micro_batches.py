@@ -38,6 +38,7 @@ def without_scaled_from(ranks: list[dict]) -> list[dict]:
     return [{key: value for key, value in rank.items() if key != "scaled_from"} for rank in ranks]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PREDICTED)
 @pytest.mark.parametrize("flags", [pytest.param(["--preset", "gpt-tiny", "--nproc", "2"], id="gpt-tiny"),
                                    pytest.param(["--preset", "gpt-tiny", "--nproc", "3", "--activation-checkpointing"],
@@ -65,6 +66,7 @@ def test_a_scaled_trace_of_a_hugging_face_model_is_its_trace(name, model):
     assert without_scaled_from(scaled) == traced
 
 
+@pytest.mark.slow
 def test_traces_off_the_line_are_not_scaled(monkeypatch):
     """An allocation whose bytes are not on the line through the first two traces (here: one made to
     grow with the square of the micro-batch) keeps every larger micro-batch traced."""
@@ -86,6 +88,7 @@ def test_traces_off_the_line_are_not_scaled(monkeypatch):
     assert sorted(records) == [4, 8, 16] and not_on_a_line(records)
 
 
+@pytest.mark.slow
 def test_plan_says_which_rows_were_scaled_and_they_equal_the_trace():
     """plan walks each configuration's micro-batches in one process: those scaled say from which, and
     their figures are what a trace gives."""

@@ -84,6 +84,7 @@ def test_expandable_segments_are_said_where_they_would_make_it_fit(monkeypatch):
     assert plan.predicted_peak(config, (9, 0))["needs_bytes"] == memory
 
 
+@pytest.mark.slow
 def test_the_deepest_model_fits_and_one_layer_more_does_not():
     memory = OUTSIDE_ALLOCATOR_MEASURED["torch"] + 84 * MiB
     lines = []
@@ -96,6 +97,7 @@ def test_the_deepest_model_fits_and_one_layer_more_does_not():
     assert any(line.endswith("more than the memory") for line in lines)
 
 
+@pytest.mark.slow
 def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypatch):
     """The depth search's first deep trial is the config's own depth, whose prediction the grid's walk made
     already: taken from it, not traced again."""
@@ -115,6 +117,7 @@ def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypa
     assert (1, 2, True) in calls
 
 
+@pytest.mark.slow
 def test_a_bigger_bucket_is_a_configuration_of_its_own():
     result = plan.plan(tiny("zero2"), memory=2 * GiB, micro_batches=[1], reduce_bucket_sizes=[200_000, 50_000_000],
                        cuda_capability=(9, 0), depth_search=False)
@@ -122,6 +125,7 @@ def test_a_bigger_bucket_is_a_configuration_of_its_own():
     assert set(peaks) == {200_000, 50_000_000} and peaks[50_000_000] > peaks[200_000]
 
 
+@pytest.mark.slow
 def test_plan_command_json(cli):
     result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", f"{(OUTSIDE + 80 * MiB) // MiB}MiB", "--strategies", "ddp,zero2",
                       "--micro-batches", "1,4", "--no-depth", "--jobs", "1", "--json")

@@ -42,6 +42,7 @@ def test_what_the_step_model_keeps_after_the_step_is_the_layout_theorys(name, wo
     assert predicted["peak_bytes"] > predicted["held_after_step_bytes"]
 
 
+@pytest.mark.slow
 def test_a_billion_parameters_cost_no_memory():
     """gpt-1b (0.94B parameters: 3.5 GiB in fp32 alone) traced as rank 7 of 8 under ZeRO-2: the process's
     resident memory grows by less than 256 MiB over the trace (Linux's high-water mark, reset before
@@ -490,6 +491,7 @@ def test_plans_neediest_caps_are_the_highest_of_every_ranks():
             {k: v for k, v in b.items() if k != "min_allocator_cap_bytes"}
 
 
+@pytest.mark.slow
 def test_the_first_fsdp2_trace_of_a_process_is_the_next_ones():
     """DTensor works out an op's output shape on fake tensors of the global shape the first time a process
     meets it; the trace keeps them out of its count, so FSDP2's first trace in a fresh process makes the

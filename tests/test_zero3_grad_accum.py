@@ -35,6 +35,7 @@ def test_zero3_is_traced_under_gradient_accumulation():
     assert why_not_traced("zero3", MODEL, accumulated) is None
 
 
+@pytest.mark.slow
 def test_the_next_micro_batchs_forward_runs_beside_what_zero3_keeps_between_micro_batches():
     """Traced micro-batch by micro-batch (the step model on fake tensors, rank 1 of 2): between micro-batches
     ZeRO-3 holds, to the byte, the 16-bit shards, their fp32 masters, the reduce bucket, the gradient

@@ -22,6 +22,7 @@ def test_every_deepspeed_stage_is_traced_under_gradient_accumulation():
         assert why_not_traced(name, MODEL, accumulated) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2"])
 def test_the_next_micro_batchs_forward_runs_beside_what_deepspeed_keeps_until_the_boundary(name):
     """Against one micro-batch per step, the second micro-batch's forward holds, to the byte: without
@@ -42,6 +43,7 @@ def test_the_next_micro_batchs_forward_runs_beside_what_deepspeed_keeps_until_th
     assert three == two
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, precision, cuda", [
     ("zero2", "bf16", None),
     ("zero1", "fp32", None),
