@@ -636,16 +636,15 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
     out = {key: {"reserved_peak_bytes": {}, "min_allocator_cap_bytes": {}, "allocated_peak_bytes": {},
                  "allocated_phase_peaks": {}} for key in keys}
     for name, options in settings.items():
-        uncapped = {}
+        uncapped, reserved = {}, {}
         for key in keys:
             requests = sequence(key)
             uncapped[key] = {order: run_requests(requests, addresses=order, **options)
                              for order in address_orders(options)}
+            reserved[key] = max(run.reserved_peak for run in uncapped[key].values())
             if try_cap is not None:  # with the sequence in hand, not made again
-                reserved_peak = max(run.reserved_peak for run in uncapped[key].values())
                 out[key].setdefault("runs_under_cap", {})[name] = \
-                    reserved_peak <= try_cap or runs_under(requests, try_cap, options)
-        reserved = {key: max(run.reserved_peak for run in order_runs.values()) for key, order_runs in uncapped.items()}
+                    reserved[key] <= try_cap or runs_under(requests, try_cap, options)
         for key, order_runs in uncapped.items():
             out[key]["reserved_peak_bytes"][name] = reserved[key]
             out[key]["allocated_peak_bytes"][name] = max(run.allocated_peak for run in order_runs.values())
