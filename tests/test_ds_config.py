@@ -1,5 +1,7 @@
 """The DeepSpeed config zerolens writes: no FusedAdam (its JIT build costs ~40 s and crashes on
 TORCH_CUDA_ARCH_LIST=9.0a with DeepSpeed 0.19.8), and overrides merged key by key."""
+import pytest
+
 from zerolens.strategies import TrainSettings
 from zerolens.strategies.deepspeed import DeepSpeedZero, merged
 
@@ -19,3 +21,20 @@ def test_override_merges_nested_keys():
                                            "overlap_comm": True}
     assert config["steps_per_print"] == 10
     assert merged({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}, "d": 4}) == {"a": {"b": 1, "c": 3}, "d": 4}
+
+
+def test_fp16_writes_deepspeeds_loss_scaling_defaults_out_and_a_users_config_is_kept():
+    """DeepSpeed 0.17 and later apply these whatever the fp16 section says; 0.16 only where it names one,
+    else its ZeRO-1/2 start at a loss scale of 2**32 and skip their first steps (FP16_LOSS_SCALING)."""
+    constants = pytest.importorskip("deepspeed.runtime.constants")
+    section = DeepSpeedZero(TrainSettings(precision="fp16"), stage=1).ds_config()["fp16"]
+    assert section == {"enabled": True,
+                       "initial_scale_power": constants.FP16_INITIAL_SCALE_POWER_DEFAULT,
+                       "loss_scale_window": constants.FP16_LOSS_SCALE_WINDOW_DEFAULT,
+                       "hysteresis": constants.FP16_HYSTERESIS_DEFAULT,
+                       "consecutive_hysteresis": constants.FP16_CONSECUTIVE_HYSTERESIS_DEFAULT,
+                       "min_loss_scale": constants.FP16_MIN_LOSS_SCALE_DEFAULT}
+    assert DeepSpeedZero(TrainSettings(precision="bf16"), stage=1).ds_config()["bf16"] == {"enabled": True}
+    users = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True}}
+    config = DeepSpeedZero(TrainSettings(precision="fp16", micro_batch=8, user_ds_config=users), stage=1).ds_config()
+    assert config["fp16"] == {"enabled": True}

@@ -136,7 +136,7 @@ class DeepSpeedZero(Strategy):
             "steps_per_print": 1 << 30,
         }
         if s.precision != "fp32":
-            config[s.precision] = {"enabled": True}
+            config[s.precision] = {"enabled": True, **(FP16_LOSS_SCALING if s.precision == "fp16" else {})}
         if self.stage > 0:
             config["zero_optimization"] = {"stage": self.stage, "reduce_bucket_size": s.reduce_bucket_size,
                                            "reduce_scatter": True}
@@ -318,6 +318,15 @@ class DeepSpeedZero(Strategy):
 
     def describe(self):
         return {"backend": "deepspeed", "ds_config": self.ds_config()}
+
+
+# DeepSpeed's fp16 loss-scaling defaults (runtime/constants.py, FP16_*_DEFAULT), written out in zerolens's own
+# config so that every release scales alike: 0.17 and later apply them whatever the section says, 0.16 only
+# where the section names one of them. Without, 0.16's ZeRO-1/2 start at a loss scale of 2**32 (its
+# DynamicLossScaler's own default), where stage 0 starts at 2**16: on the case study in fp16 their first 15
+# steps overflowed and were skipped (docs/results/1xh100/issue22/fp16-releases/).
+FP16_LOSS_SCALING = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                     "consecutive_hysteresis": False, "min_loss_scale": 1}
 
 
 def reduce_buckets(optimizer) -> list[torch.Tensor]:
