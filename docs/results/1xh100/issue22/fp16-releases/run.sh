@@ -13,6 +13,8 @@ for R in 0.16.9 0.17.6 0.18.9 0.19.8; do
   # Each release JIT-builds its ops into its own cache.
   PYTHONPATH=$site:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext-$R \
     python3 -m zerolens verify --nproc 1 --device cuda --precision fp16 --strategies zero0,zero1,zero2 \
-    --out "$OUT/deepspeed-$R" > "$OUT/deepspeed-$R.txt" 2>&1
+    --out "/tmp/runs/deepspeed-$R" > "$OUT/deepspeed-$R.txt" 2>&1
   echo "deepspeed $R: exit $?"
 done
+# The run folders, in one file (the device tool brings a few files back)
+tar czf "$OUT/runs.tgz" -C /tmp runs
