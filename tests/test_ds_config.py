@@ -3,7 +3,7 @@ TORCH_CUDA_ARCH_LIST=9.0a with DeepSpeed 0.19.8), and overrides merged key by ke
 import pytest
 
 from zerolens.strategies import TrainSettings
-from zerolens.strategies.deepspeed import DeepSpeedZero, merged
+from zerolens.strategies.deepspeed import DeepSpeedZero, merged, unnamed_loss_scaling_kept_gradients
 
 
 def test_torch_adamw_is_selected_never_fused_adam():
@@ -38,3 +38,15 @@ def test_fp16_writes_deepspeeds_loss_scaling_defaults_out_and_a_users_config_is_
     users = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True}}
     config = DeepSpeedZero(TrainSettings(precision="fp16", micro_batch=8, user_ds_config=users), stage=1).ds_config()
     assert config["fp16"] == {"enabled": True}
+
+
+@pytest.mark.parametrize("version, section, kept", [
+    ("0.16.9", {"enabled": True}, True), ("0.17.0", {"enabled": True}, True),
+    ("0.17.1", {"enabled": True}, False), ("0.16.9", {"enabled": True, "hysteresis": 2}, False),
+    ("0.16.9", {"enabled": False}, False), (None, {"enabled": True}, False)])
+def test_a_users_fp16_section_without_loss_scaling_under_016_is_not_modelled(version, section, kept):
+    """Before 0.17.1 such a section starts ZeRO-1/2 at a loss scale of 2**32: their first steps overflow
+    and the first one's gradients stay allocated, which the step model does not do."""
+    assert unnamed_loss_scaling_kept_gradients({"fp16": section}, version) is kept
+    assert not unnamed_loss_scaling_kept_gradients(
+        DeepSpeedZero(TrainSettings(precision="fp16"), stage=2).ds_config(), "0.16.9")  # zerolens's own config

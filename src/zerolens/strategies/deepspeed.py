@@ -327,6 +327,10 @@ class DeepSpeedZero(Strategy):
 # steps overflowed and were skipped (docs/results/1xh100/issue22/fp16-releases/).
 FP16_LOSS_SCALING = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                      "consecutive_hysteresis": False, "min_loss_scale": 1}
+# From 0.17.1 every optimizer is given them (precision_config.py), and an overflowed step empties ZeRO-1/2's
+# averaged_gradients in place; before, it put a new dict there, and each parameter's _hp_mapping kept the old
+# one with that step's gradients.
+LOSS_SCALING_ALWAYS_GIVEN = (0, 17, 1)
 
 
 def reduce_buckets(optimizer) -> list[torch.Tensor]:
@@ -404,6 +408,7 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
         return []
     if importlib.util.find_spec("deepspeed") is None:  # reading the config takes DeepSpeed's own parser
         return ["a DeepSpeed config (reading it needs DeepSpeed installed)"]
+    from zerolens.compat import installed_version
     plain = dataclasses.replace(settings, user_ds_config={}, ds_override={})
     ours, theirs = DeepSpeedZero(plain, stage=stage).ds_config(), DeepSpeedZero(settings, stage=stage).ds_config()
     out = []
@@ -428,6 +433,10 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
             continue
         else:
             out.append(f"{key}: {json.dumps(value)}")
+    if stage in (1, 2) and unnamed_loss_scaling_kept_gradients(theirs, installed_version("deepspeed")):
+        out.append("fp16 without a loss-scaling setting under DeepSpeed before 0.17.1 (ZeRO-1/2 then start at a "
+                   "loss scale of 2**32 and keep the gradients of the first step that overflows; "
+                   '"initial_scale_power": 16 starts them as later releases do)')
     read = ZERO_FIELDS_READ[stage]
     if read is not None:
         mine, yours = (without_offload_to_none(zero_config(c).model_dump()) for c in (ours, theirs))
@@ -435,6 +444,16 @@ def not_modelled(settings: TrainSettings, stage: int) -> list[str]:
         out += [f"zero_optimization.{k}: {json.dumps(brief(yours[k]), default=str)}" for k in yours
                 if k not in ignored and yours[k] != mine.get(k)]
     return out
+
+
+def unnamed_loss_scaling_kept_gradients(config: dict, version: str | None) -> bool:
+    """Whether DeepSpeed `version`'s ZeRO-1/2 start the fp16 loss scale at 2**32 under `config` (an fp16
+    section naming none of FP16_LOSS_SCALING's keys, a release before LOSS_SCALING_ALWAYS_GIVEN), so that
+    their first steps overflow and the first one's gradients stay allocated (docs/versions.md)."""
+    from zerolens.compat import patch_release
+    section = config.get("fp16")
+    return (version is not None and patch_release(version) < LOSS_SCALING_ALWAYS_GIVEN and isinstance(section, dict)
+            and section.get("enabled") is True and not set(section) & set(FP16_LOSS_SCALING))
 
 
 # Where DeepSpeed's ZeRO-1/2 gradient overflow check changed, read from each release's stage_1_and_2.py,
