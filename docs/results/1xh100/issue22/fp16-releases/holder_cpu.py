@@ -1,5 +1,5 @@
-"""Who holds the extra fp16 tensor DeepSpeed 0.16.9's ZeRO-1 keeps after its steps (leftover_cpu.py's finding):
-ZeRO-1 in fp16 on the CPU (as leftover_cpu.py), N steps, then the list of gradients that is not the optimizer's
+"""Who holds the extra fp16 tensor DeepSpeed 0.16.9's ZeRO-1 keeps after its steps (leftover.py's finding):
+ZeRO-1 in fp16 on the CPU (as leftover.py), N steps, then the list of gradients that is not the optimizer's
 and what refers to the dict that holds it.
     DS_ACCELERATOR=cpu /tmp/dsv/0.16.9/bin/python holder_cpu.py 20
 Printed at 0.16.9: the dict {0: [27 gradients]} is referred to by deepspeed.utils.tensor_fragment objects
@@ -8,7 +8,7 @@ a new dict ({}) at the first overflowed step; 0.17 sets the dict's entries to No
 import gc, sys
 from pathlib import Path
 sys.argv = [sys.argv[0], "/dev/null", *sys.argv[1:]]
-exec(Path(__file__).with_name("leftover_cpu.py").read_text().split("results = {")[0])
+exec(Path(__file__).with_name("leftover.py").read_text().split("results = {")[0])
 import torch, deepspeed  # noqa: E402
 torch.manual_seed(0)
 model = Model()
