@@ -24,8 +24,8 @@ def test_override_merges_nested_keys():
 
 
 def test_fp16_writes_deepspeeds_loss_scaling_defaults_out_and_a_users_config_is_kept():
-    """DeepSpeed 0.17 and later apply these whatever the fp16 section says; 0.16 only where it names one,
-    else its ZeRO-1/2 start at a loss scale of 2**32 and skip their first steps (FP16_LOSS_SCALING)."""
+    """DeepSpeed 0.17.1 and later apply these whatever the fp16 section says; earlier releases only where it
+    names one, else their ZeRO-1/2 start at a loss scale of 2**32 and skip their first steps (FP16_LOSS_SCALING)."""
     constants = pytest.importorskip("deepspeed.runtime.constants")
     section = DeepSpeedZero(TrainSettings(precision="fp16"), stage=1).ds_config()["fp16"]
     assert section == {"enabled": True,

@@ -321,10 +321,10 @@ class DeepSpeedZero(Strategy):
 
 
 # DeepSpeed's fp16 loss-scaling defaults (runtime/constants.py, FP16_*_DEFAULT), written out in zerolens's own
-# config so that every release scales alike: 0.17 and later apply them whatever the section says, 0.16 only
-# where the section names one of them. Without, 0.16's ZeRO-1/2 start at a loss scale of 2**32 (its
-# DynamicLossScaler's own default), where stage 0 starts at 2**16: on the case study in fp16 their first 15
-# steps overflowed and were skipped (docs/results/1xh100/issue22/fp16-releases/).
+# config so that every release scales alike: 0.17.1 and later apply them whatever the section says, earlier
+# releases only where the section names one of them. Without, 0.16.9's ZeRO-1/2 start at a loss scale of
+# 2**32 (its DynamicLossScaler's own default), where stage 0 starts at 2**16: on the case study in fp16 their
+# first 15 steps overflowed and were skipped (docs/results/1xh100/issue22/fp16-releases/).
 FP16_LOSS_SCALING = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                      "consecutive_hysteresis": False, "min_loss_scale": 1}
 # From 0.17.1 every optimizer is given them (precision_config.py), and an overflowed step empties ZeRO-1/2's
