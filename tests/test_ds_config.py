@@ -34,6 +34,7 @@ def test_fp16_writes_deepspeeds_loss_scaling_defaults_out_and_a_users_config_is_
                        "hysteresis": constants.FP16_HYSTERESIS_DEFAULT,
                        "consecutive_hysteresis": constants.FP16_CONSECUTIVE_HYSTERESIS_DEFAULT,
                        "min_loss_scale": constants.FP16_MIN_LOSS_SCALE_DEFAULT}
+    assert not unnamed_loss_scaling_kept_gradients({"fp16": section}, "0.16.9")  # zerolens's own config
     assert DeepSpeedZero(TrainSettings(precision="bf16"), stage=1).ds_config()["bf16"] == {"enabled": True}
     users = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True}}
     config = DeepSpeedZero(TrainSettings(precision="fp16", micro_batch=8, user_ds_config=users), stage=1).ds_config()
@@ -48,5 +49,3 @@ def test_a_users_fp16_section_without_loss_scaling_under_016_is_not_modelled(ver
     """Before 0.17.1 such a section starts ZeRO-1/2 at a loss scale of 2**32: their first steps overflow
     and the first one's gradients stay allocated, which the step model does not do."""
     assert unnamed_loss_scaling_kept_gradients({"fp16": section}, version) is kept
-    assert not unnamed_loss_scaling_kept_gradients(
-        DeepSpeedZero(TrainSettings(precision="fp16"), stage=2).ds_config(), "0.16.9")  # zerolens's own config
