@@ -6,7 +6,8 @@ are real ops), and the backend's buffers, sized by the layout theory and allocat
 allocates them (DDP, DeepSpeed), or the backend's own code (FSDP2). The step runs as that rank
 under a fake process group (fake_process_group: collectives that move nothing) and FakeTensorMode,
 so no tensor has memory (a 70B model costs nothing), and torch's MemTracker follows every storage
-at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS). A training
+at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS; for a CUDA target
+the third is written from the second where its check allows: predict/repeat.py). A training
 worker, which has a process group of its own, predicts in a fresh process (run/prediction.py).
 
 On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor), and
@@ -38,6 +39,7 @@ from zerolens.models.model import (
 )
 from zerolens.predict.allocator import allocator_needs, neediest_needs
 from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
+from zerolens.predict.repeat import repeated_step
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -269,13 +271,14 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                 cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
                 requests: list | None = None, brackets: bool = False, outcome: bool = True,
-                try_cap: int | None = None) -> tuple[dict | None, dict]:
+                try_cap: int | None = None, repeat: bool = True) -> tuple[dict | None, dict]:
     """predict_peaks (None without `outcome`: the allocator model not run), and the trace's record, what a splice (spliced_ranks) or a scaling to other
     micro-batches (predict/micro_batches.py) needs of it: `requests`, the allocation sequence (with
     each phase's start marked, and with `brackets` the step model's
     rank_own brackets, whatever the target), `raw` (each allocation's bytes before rounding),
     `phase_peaks` (the tracker's peak per (step, phase)), `held`, `step_model`, and what rank_outcome
-    needs besides."""
+    needs besides. With `repeat`, a CUDA target's third step is written from its second where the
+    second passes predict/repeat.py's check (`repeated_steps`: 1), not traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerolens.measure.tracker import dtensor_shapes_untraced, reset_tracker_peak, tracker_total
@@ -339,7 +342,17 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             into[name] = max(into.get(name, 0), tracker_total(tracker, "peak"))
             collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 
+        step_starts: list[int] = []  # where each step's requests begin (predict/repeat.py)
         for step in range(steps):
+            if requests is not None:
+                step_starts.append(len(requests))
+            # A CUDA target's third step, written from its second where that leaves the state it found.
+            repeated = repeated_step(requests, step_starts, raw, inside) \
+                if repeat and step == 2 and cuda_capability is not None else None
+            if repeated is not None:
+                requests.extend(repeated)
+                traced.append(dict(traced[-1]))
+                break
             # The rank's micro-batch as the step sees it. A CPU run's loop holds it through the step.
             # On CUDA it is copied to the GPU in forward and held by the graph only: on fake CUDA
             # tensors forward_loss's .to(device) makes that copy; traced on the CPU, a clone stands in.
@@ -361,6 +374,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
     record = {"requests": requests, "raw": raw, "inside": inside, "geometry": geometry,
               "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
+              "repeated_steps": int(repeated is not None),
               "brackets": brackets, "cuda_capability": cuda_capability, "traced_on": traced_on(device),
               "batch_bytes": tokens.nbytes + labels.nbytes,
               "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
