@@ -2,7 +2,6 @@
 # (docs/results/cpu-2proc/issue21/window-n1/): gpt-1b DDP with activation checkpointing at micro-batch 16, N=1,
 # bf16, foreach AdamW, no compile. Predicted: runs at its smallest cap (27355250688 bytes), out of memory in the
 # window's middle (28101836800) in the third step, runs 32 MiB above the window (28365029376).
-# Then DeepSpeed 0.16.9's fp16 verify with zerolens's loss-scaling defaults written out (../../issue22/fp16-releases/).
 nvidia-smi -L > $OUT/device.txt; git rev-parse HEAD > $OUT/tree.txt; git status --short >> $OUT/tree.txt
 mkdir -p /tmp/benches
 for gib in 25.4765625 26.171875 26.416015625; do
@@ -12,8 +11,3 @@ for gib in 25.4765625 26.171875 26.416015625; do
   tail -3 $OUT/bench-cap-$gib.log
 done
 tar czf $OUT/benches.tgz -C /tmp benches
-R=0.16.9
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds-$R .whl/ds-$R/*.whl .whl/ds-extra/*.whl
-PYTHONPATH=/tmp/ds-$R:$PYTHONPATH TORCH_EXTENSIONS_DIR=/tmp/ext-$R timeout 120 python3 -m zerolens verify --nproc 1 \
-  --device cuda --precision fp16 --strategies zero0,zero1,zero2 --out /tmp/fp16-$R > $OUT/fp16-verify-$R.txt 2>&1
-tail -3 $OUT/fp16-verify-$R.txt
