@@ -100,11 +100,11 @@ def layout_entry(name: str, psi: float, param_numels: list[int] | None, param_sh
     if param_numels is None:
         return entry | {"components": unpadded_components(spec, psi, world_size, precision), "ranks": None}
     ranks = []
+    deepspeed = deepspeed_layout()  # the installed DeepSpeed's (read from its package metadata: once, not per rank)
     for rank in range(world_size):
         r = {"rank": rank, **registry.predict_retained(
             name, param_numels, world_size, rank, precision, reduce_bucket_size=reduce_bucket_size,
-            param_shapes=param_shapes, deepspeed=deepspeed_layout(),  # the installed DeepSpeed's
-            weight_bytes=weight_bytes, trainable=trainable)}
+            param_shapes=param_shapes, deepspeed=deepspeed, weight_bytes=weight_bytes, trainable=trainable)}
         r["transient_reduce_bucket_bytes"] = spec.reduce_bucket_bytes(precision, reduce_bucket_size)
         # Between steps: what the backend keeps, its kept buffers included (DDP's bucket copy
         # of the gradients, ZeRO-3's reduce bucket).

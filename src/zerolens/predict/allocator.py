@@ -70,7 +70,7 @@ class OutOfMemory(Exception):
     """The request cannot be served within the cap, even after every cached segment was freed."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a 70B model's replays make and touch millions of them
 class Block:
     address: int
     size: int
@@ -89,7 +89,7 @@ class Block:
         return self.mapped and not self.allocated
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Segment:
     address: int
     size: int
@@ -114,12 +114,12 @@ class Pool:
     unmapped: dict[tuple[int, int], Block] = field(default_factory=dict)
 
     def insert(self, block: Block) -> None:
-        key = block.key()
+        key = (block.stream, block.size, block.address)  # block.key(), written out: the replays' hottest line
         bisect.insort(self.keys, key)
         self.blocks[key] = block
 
     def remove(self, block: Block) -> None:
-        key = block.key()
+        key = (block.stream, block.size, block.address)
         del self.keys[bisect.bisect_left(self.keys, key)]
         del self.blocks[key]
 
@@ -134,6 +134,8 @@ def round_size(size: int, divisions: tuple[int, ...] | None = None) -> int:
     powers of two around it (roundup_power2_next_division)."""
     if size < MIN_BLOCK_SIZE:
         return MIN_BLOCK_SIZE
+    if not divisions:  # the default
+        return MIN_BLOCK_SIZE * -(-size // MIN_BLOCK_SIZE)
     parts = power2_divisions(size, divisions)
     if parts > 1 and size > MIN_BLOCK_SIZE * parts:
         if size & (size - 1) == 0:
@@ -254,7 +256,7 @@ class CachingAllocator:
             return None  # do not return an oversized block for a smaller request
         if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
             return None  # an oversized block may be rounded up, but within a limit
-        pool.remove(block)
+        del pool.blocks[pool.keys.pop(i)]  # pool.remove(block), its place known
         return block
 
     def _alloc_block(self, pool: Pool, size: int, stream: int, small: bool) -> Block:
@@ -393,7 +395,7 @@ class CachingAllocator:
     def _merge_free_neighbours(self, pool: Pool, block: Block) -> None:
         """try_merge_blocks with each neighbour: only free, mapped ones, taken out of the pool."""
         for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.unused():
+            if neighbour is not None and neighbour.mapped and not neighbour.allocated:  # unused()
                 pool.remove(neighbour)
                 self._absorb(block, neighbour)
 
@@ -552,13 +554,14 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
     ("phase", key, ...) mark begins a phase (its allocated peak: `phase_peaks[key]`)."""
     allocator = CachingAllocator(cap=cap, **settings)
     blocks: dict[int, Block] = {}
+    malloc, free, take = allocator.malloc, allocator.free, blocks.pop
     for action, ident, size, stream in requests:
         if action == "alloc":
-            blocks[ident] = allocator.malloc(size, stream)
+            blocks[ident] = malloc(size, stream)
         elif action == "phase":
             allocator.begin_phase(ident)
         else:
-            allocator.free(blocks.pop(ident))
+            free(take(ident))
     return allocator
 
 
@@ -574,9 +577,9 @@ def runs(requests: list[tuple[str, int, int, int]], cap: int, **settings) -> boo
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int = SMALL_BUFFER,
                  uncapped: CachingAllocator | None = None, **settings) -> int:
     """The smallest cap, a multiple of `granularity` (segments are whole multiples of 2 MiB), under which
-    the requests run without an out-of-memory error: searched by bisection between the allocated peak
-    (no cap can be lower) and the reserved peak without a cap (which always suffices; `uncapped`: that
-    run, where the caller has it)."""
+    the requests run without an out-of-memory error: one granule below the reserved peak without a cap
+    (which always suffices; `uncapped`: that run, where the caller has it), then the allocated peak (no
+    cap can be lower), then by bisection between the two."""
     free_run = uncapped if uncapped is not None else run_requests(requests, **settings)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
@@ -587,6 +590,13 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
         if not runs(requests, (high - 1) * granularity, **settings):
             return high * granularity
         high -= 1
+    # Then the lowest, below which no cap serves the allocated peak: the answer of the default allocator
+    # for Llama-2-70B's shape at 64 ranks under ZeRO-1 (each of 8 ranks' sequences), ZeRO-3 and FSDP2,
+    # where this one run ends the search (docs/results/cpu-2proc/issue22/caps/).
+    # Where it fails, the bisection goes on as without it (bounds untouched): a sequence's runs are not
+    # monotonic in the cap (runs_under), and another path can end at another cap.
+    if low < high and runs(requests, low * granularity, **settings):
+        return low * granularity
     while low < high:
         middle = (low + high) // 2
         if runs(requests, middle * granularity, **settings):
