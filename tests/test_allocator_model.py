@@ -322,3 +322,39 @@ def test_a_sequence_can_run_out_of_memory_under_a_cap_above_its_smallest():
     # with expandable segments the cap is the reserved peak, and a cap below it never runs
     assert under[60]["min_allocator_cap_bytes"]["expandable_segments"] == 60 * MiB
     assert [needs["runs_under_cap"]["expandable_segments"] for needs in under.values()] == [False] * 6 + [True]
+
+
+def test_a_hint_that_is_a_boundary_ends_the_search(monkeypatch):
+    """smallest_cap's `hint` (neediest_needs passes the last cap found: ZeRO-1/2's ranks' sequences mostly share
+    it): where it runs and one granule below it does not, it is the answer, after two runs; anything else, and
+    the search goes on as without it. On the sequence above, whose runs are not monotonic in the cap, 44 MiB
+    is such a boundary as much as the bisection's 36 MiB."""
+    import zerolens.predict.allocator as allocator
+    sequence = [("alloc", 0, 16 * MiB, 0), ("free", 0, 0, 0), ("alloc", 1, 24 * MiB, 0), ("free", 1, 0, 0),
+                ("alloc", 2, 16 * MiB, 0), ("alloc", 3, 12 * MiB, 0), ("free", 2, 0, 0), ("alloc", 4, 20 * MiB, 0)]
+    tried, runs = [], allocator.runs
+
+    def counted(requests, cap, **settings):
+        tried.append(cap // MiB)
+        return runs(requests, cap, **settings)
+    monkeypatch.setattr(allocator, "runs", counted)
+    assert smallest_cap(sequence) == 36 * MiB
+    assert smallest_cap(sequence, hint=44 * MiB) == 44 * MiB and tried[-2:] == [42, 44]
+    for not_a_boundary in (38, 40, 60, 43, 20):  # runs one below; fails; the reserved peak; not a granule; too low
+        assert smallest_cap(sequence, hint=not_a_boundary * MiB) == 36 * MiB
+    requests = requests_of_recording(recording("tinyllama-default"))  # its cap below its reserved peak
+    cap = smallest_cap(requests)
+    tried.clear()
+    assert smallest_cap(requests, hint=cap) == cap and len(tried) == 2
+    assert smallest_cap(requests, hint=cap + 4 * SMALL_BUFFER) == cap
+
+
+def test_every_sequence_searched_with_hints_gives_allocator_needs_of_each():
+    """neediest_needs with `every` (estimate's, for ZeRO-1/2's ranks): every key's smallest caps, each search
+    given the last cap found as its hint, equal to allocator_needs of each key alone."""
+    def sequence(mib: int) -> list:  # a block held, then a larger one while it lives: fragmentation
+        return [("alloc", 0, mib * MiB, 0), ("alloc", 1, 3 * mib * MiB, 0), ("free", 0, 0, 0),
+                ("alloc", 2, 2 * mib * MiB, 0), ("free", 1, 0, 0), ("free", 2, 0, 0)]
+    sequences = {"large": sequence(64), "alike": sequence(64) + [("alloc", 3, MiB, 0)], "small": sequence(8)}
+    every = neediest_needs(list(sequences), sequences.get, every=True)
+    assert every == {key: allocator_needs(requests) for key, requests in sequences.items()}

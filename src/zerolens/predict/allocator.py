@@ -575,14 +575,24 @@ def runs(requests: list[tuple[str, int, int, int]], cap: int, **settings) -> boo
 
 
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int = SMALL_BUFFER,
-                 uncapped: CachingAllocator | None = None, **settings) -> int:
+                 uncapped: CachingAllocator | None = None, hint: int | None = None, **settings) -> int:
     """The smallest cap, a multiple of `granularity` (segments are whole multiples of 2 MiB), under which
     the requests run without an out-of-memory error: one granule below the reserved peak without a cap
     (which always suffices; `uncapped`: that run, where the caller has it), then the allocated peak (no
-    cap can be lower), then by bisection between the two."""
+    cap can be lower), then by bisection between the two. Each answer runs and the cap one granule below
+    it does not (or it is the allocated peak's): `hint`, a cap that may be such a boundary (a sequence
+    alike's: ZeRO-1/2's ranks differ in a few of their allocations), is tried first, and ends the search
+    where it is one."""
     free_run = uncapped if uncapped is not None else run_requests(requests, **settings)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
+    if hint is not None and hint % granularity == 0 and low < hint // granularity < high:
+        guess = hint // granularity
+        # Where runs are not monotonic in the cap, several caps are such boundaries and the bisection's
+        # path picks one; the hint's is as much the sequence's as the one the bisection would find.
+        if not runs(requests, (guess - 1) * granularity, **settings) and runs(requests, guess * granularity,
+                                                                            **settings):
+            return guess * granularity
     # First one granule below the reserved peak: the answer is the reserved peak itself in most runs of
     # the default allocator and a third of those with expandable segments (docs/results/1xh200/issue21,
     # traces.json.gz), where this one run ends the search.
@@ -631,7 +641,8 @@ def allocator_needs(requests: list[tuple[str, int, int, int]], alloc_conf: str |
     return neediest_needs([None], lambda _: requests, alloc_conf, try_cap)[None]
 
 
-def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap: int | None = None) -> dict:
+def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap: int | None = None,
+                   every: bool = False) -> dict:
     """allocator_needs of each of several sequences (`sequence(key)`: the requests of each of `keys`,
     made when replayed), but the smallest cap, per allocator setting, only of those that could need the
     most: each sequence's uncapped run gives its reserved peak, above which its smallest cap cannot lie
@@ -639,7 +650,9 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
     whose reserved peak is below the highest cap found skipped (equal ones searched: a tie is the
     caller's to break). What plan needs of ZeRO-1/2's ranks, of which only the neediest decides whether
     a job fits: a few searches instead of one per rank. With `try_cap` (plan's: the GPU's memory less
-    what the process holds outside the allocator), each key's `runs_under_cap` per setting (runs_under)."""
+    what the process holds outside the allocator), each key's `runs_under_cap` per setting (runs_under).
+    With `every`, each key's smallest caps are searched (allocator_needs of each, alike sequences faster:
+    each search is given the last cap found as its hint, smallest_cap)."""
     settings = {"default": {}, "expandable_segments": {"expandable": True}}
     if allocator_setting(alloc_conf)[0] == USER_SETTING:
         settings[USER_SETTING] = alloc_settings(alloc_conf)[0]
@@ -663,12 +676,14 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
                 for (_, phase), peak in run.phase_peaks.items():
                     phases[phase] = max(phases.get(phase, 0), peak)
             out[key]["allocated_phase_peaks"][name] = phases
-        highest = 0
+        highest = cap = 0
         for key in sorted(keys, key=lambda k: -reserved[k]):
             granularity = cap_granularity(reserved[key])
-            if -(-reserved[key] // granularity) * granularity < highest:
+            if not every and -(-reserved[key] // granularity) * granularity < highest:
                 continue  # its cap, at most its reserved peak, is below one found
-            cap = cap_over_orders(sequence(key), granularity=granularity, uncapped=uncapped[key], **options)
+            # The last cap found as the search's hint: alike sequences (ZeRO-1/2's ranks) mostly share it
+            cap = cap_over_orders(sequence(key), granularity=granularity, uncapped=uncapped[key], hint=cap or None,
+                                  **options)
             out[key]["min_allocator_cap_bytes"][name] = cap
             highest = max(highest, cap)
     return out
@@ -690,17 +705,18 @@ def address_orders(settings: dict) -> tuple[str, ...]:
 
 
 def cap_over_orders(requests: list, *, granularity: int = SMALL_BUFFER, uncapped: dict | None = None,
-                    **settings) -> int:
+                    hint: int | None = None, **settings) -> int:
     """The highest of the smallest caps of `requests` in each address order (address_orders; `uncapped`:
     order -> its run without a cap, where the caller has them): where the next order runs at the cap
-    found so far, its own is no higher."""
+    found so far, its own is no higher. `hint`: smallest_cap's, for the first order."""
     uncapped = uncapped or {order: run_requests(requests, addresses=order, **settings)
                             for order in address_orders(settings)}
     cap = 0
     for order, run in uncapped.items():
         if cap and runs(requests, cap, addresses=order, **settings):
             continue
-        cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order, **settings))
+        cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order,
+                                    hint=None if cap else hint, **settings))
     return cap
 
 

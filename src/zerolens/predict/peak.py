@@ -672,7 +672,8 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
             needs = neediest_needs(list(first_with), lambda content: sequence(first_with[content]), try_cap=try_cap)
         else:
             replayed = sorted(first_with.values(), key=lambda r: -ranks[r]["peak_bytes"])[:ALLOCATOR_REPLAYS]
-            needs = {contents[r]: allocator_needs(sequence(r), try_cap=try_cap) for r in replayed}
+            needs = neediest_needs([contents[r] for r in replayed], lambda content: sequence(first_with[content]),
+                                   try_cap=try_cap, every=True)
         for rank, content in enumerate(contents):
             ranks[rank] |= needs.get(content) or {"allocator_not_replayed": (
                 f"the {settings.world_size} ranks make {len(first_with)} distinct allocation sequences, and the "
