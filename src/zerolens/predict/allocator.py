@@ -82,9 +82,6 @@ class Block:
     next: Block | None = None
     mapped: bool = True  # False: an expandable segment's stretch of addresses with no memory behind it
 
-    def key(self) -> tuple[int, int, int]:
-        return (self.stream, self.size, self.address)
-
     def unused(self) -> bool:
         return self.mapped and not self.allocated
 
@@ -114,7 +111,7 @@ class Pool:
     unmapped: dict[tuple[int, int], Block] = field(default_factory=dict)
 
     def insert(self, block: Block) -> None:
-        key = (block.stream, block.size, block.address)  # block.key(), written out: the replays' hottest line
+        key = (block.stream, block.size, block.address)  # the pool's order (BlockComparatorSize)
         bisect.insort(self.keys, key)
         self.blocks[key] = block
 
@@ -602,7 +599,7 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
         high -= 1
     # Then the lowest, below which no cap serves the allocated peak: the answer of the default allocator
     # for Llama-2-70B's shape at 64 ranks under ZeRO-1 (each of 8 ranks' sequences), ZeRO-3 and FSDP2,
-    # where this one run ends the search (docs/results/cpu-2proc/issue22/caps/).
+    # where this one run ends the search (docs/results/cpu-2proc/issue22/replays/).
     # Where it fails, the bisection goes on as without it (bounds untouched): a sequence's runs are not
     # monotonic in the cap (runs_under), and another path can end at another cap.
     if low < high and runs(requests, low * granularity, **settings):
