@@ -141,7 +141,7 @@ def fsdp2_shard_elements(param_shapes: list[tuple[int, ...]], world_size: int, r
     FSDP2 cuts them: ceil(d / N) rows of dim 0 per rank, torch.chunk's rule."""
     padded = held = 0
     # Per distinct shape, times its count: a model repeats a few shapes in every block (a 70B Llama's
-    # 723 parameters have 7), and estimate asks this of every one of thousands of ranks.
+    # 723 parameters have 6 shapes), and estimate asks this of every one of thousands of ranks.
     for shape, count in Counter(map(tuple, param_shapes)).items():
         if not shape:
             raise ValueError("FSDP2 shards on dim 0: a 0-dimensional parameter cannot be sharded")
