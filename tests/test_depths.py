@@ -1,6 +1,7 @@
 """A deep model's trace scaled from shallow ones (predict/depths.py): equal to its own trace, request
 for request, where the shallow traces allow; traced whole where they do not."""
 import dataclasses
+import json
 
 import pytest
 
@@ -60,6 +61,28 @@ def test_scaled_equals_traced_request_for_request(name):
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
     assert record["phase_peaks"] == traced["phase_peaks"] and record["held"] == traced["held"]
     assert rank_outcome(record) == rank_outcome(traced)  # peaks, reserved peaks and smallest caps alike
+
+
+@pytest.mark.slow
+def test_a_rank_holding_no_rows_of_the_embedding_is_scaled_from_alignments_found_from_the_end(tmp_path):
+    # 225 embedding rows on 16 ranks: 15 each, none for rank 15 (as Llama-2-70B's 32,000 at 512 ranks for
+    # ranks 508-511), whose blocks' runs of frees begin as the final norm's: difflib's matches found from
+    # the start cut them at different places at 2, 3 and 4 blocks.
+    config = tmp_path / "llama-225.json"
+    config.write_text(json.dumps(json.loads(open("examples/hf/llama-tiny.json").read()) | {"vocab_size": 225}))
+
+    def model(depth):
+        return ModelConfig(**model_config_fields(str(config), depth=depth, seq_len=64))
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=16)
+    records = {d: traced_rank("fsdp2", model(d), settings, rank=15, cuda_capability=H200)[1]
+               for d in depths.TRACED_DEPTHS}
+    seq = {d: depths.tokens(records[d]["requests"], records[d]["raw"]) for d in (2, 3, 4)}
+    assert depths.structure(seq[2], seq[3], seq[4], depths.inserted_runs)[0] is None
+    record, why = depths.deepened(records, 9)
+    assert why is None
+    traced = traced_rank("fsdp2", model(9), settings, rank=15, cuda_capability=H200)[1]
+    assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
+    assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
 
 
 @pytest.mark.slow

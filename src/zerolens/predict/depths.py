@@ -187,13 +187,35 @@ def inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None,
     return out, None
 
 
-def structure(first: list[tuple], second: list[tuple], third: list[tuple]) -> tuple[Structure | None, str | None]:
-    """The Structure of the tokens at depths b - 1, b, b + 1, or why there is none: the runs one more
-    block inserts must be the same from b - 1 to b as from b to b + 1."""
-    earlier, why = inserted_runs(first, second)
+def inserted_runs_from_the_end(first: list[tuple], second: list[tuple]) -> tuple[list | None, str | None]:
+    """inserted_runs of the two read backwards, turned forwards: where a run one block inserts begins
+    with what follows it (FSDP2's rank holding no rows of the embedding, Llama-2-70B's at 512 ranks: the
+    blocks' runs of frees begin as the final norm's), difflib's longest matches, found from the start,
+    cut it at different places at different depths; found from the end, they do not there."""
+    out, why = inserted_runs(first[::-1], second[::-1])
+    if out is None:
+        return None, why
+    forwards = []
+    for entry in reversed(out):
+        if entry[0] == "insert":
+            _, i1, j1, run = entry
+            entry = ("insert", len(first) - i1, len(second) - j1 - len(run), run[::-1])
+        forwards.append(entry)
+    return forwards, None
+
+
+ALIGNMENTS = (inserted_runs, inserted_runs_from_the_end)
+
+
+def structure(first: list[tuple], second: list[tuple], third: list[tuple],
+              align=inserted_runs) -> tuple[Structure | None, str | None]:
+    """The Structure of the tokens at depths b - 1, b, b + 1 as `align` (one of ALIGNMENTS) aligns each
+    with the next, or why there is none: the runs one more block inserts must be the same from b - 1 to
+    b as from b to b + 1."""
+    earlier, why = align(first, second)
     if earlier is None:
         return None, why
-    later, why = inserted_runs(second, third)
+    later, why = align(second, third)
     if later is None:
         return None, why
     held = [(j1, run) for kind, _, j1, run in (e for e in earlier if e[0] == "insert")]
@@ -272,13 +294,15 @@ def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | N
         return None, "the traces record no allocation sequence"
     a, b, c, d, e = sorted(records)
     seq = {n: tokens(records[n]["requests"], records[n]["raw"]) for n in (a, b, c, d, e)}
-    shape, why = structure(seq[a], seq[b], seq[c])
-    if shape is None:
-        return None, why
-    lines = fit_counts(shape, seq[c], seq[d])
-    checked = None if lines is None else extended_by_counts(shape, e - b, lines)
-    if checked != decode(seq[e]):
-        return None, f"the trace at depth {e} is not what those at {a} to {d} make of it"
+    whys = []
+    for align in ALIGNMENTS:  # difflib's alignment found from the start, else from the end
+        shape, why = structure(seq[a], seq[b], seq[c], align)
+        lines = None if shape is None else fit_counts(shape, seq[c], seq[d])
+        if shape is not None and lines is not None and extended_by_counts(shape, e - b, lines) == decode(seq[e]):
+            break
+        whys.append(why or f"the trace at depth {e} is not what those at {a} to {d} make of it")
+    else:
+        return None, whys[0]
     counted = {n: figures(records[n]) for n in (c, d, e)}
     for figure in ("beside", "held_beside", "batch_bytes"):
         if on_line(counted[c][figure], counted[d][figure], c, d, e) != counted[e][figure]:
