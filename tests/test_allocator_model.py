@@ -358,3 +358,19 @@ def test_every_sequence_searched_with_hints_gives_allocator_needs_of_each():
     sequences = {"large": sequence(64), "alike": sequence(64) + [("alloc", 3, MiB, 0)], "small": sequence(8)}
     every = neediest_needs(list(sequences), sequences.get, every=True)
     assert every == {key: allocator_needs(requests) for key, requests in sequences.items()}
+
+
+def test_a_replay_pauses_the_garbage_collector_and_leaves_it_as_it_found_it():
+    import gc
+
+    from zerolens.predict.allocator import run_requests
+    requests = [("alloc", 0, 4 * MiB, 0), ("free", 0, 0, 0)]
+    assert gc.isenabled()
+    run_requests(requests)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        run_requests(requests)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

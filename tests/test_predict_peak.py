@@ -628,3 +628,21 @@ def test_zero12s_overflow_check_is_each_deepspeed_releases(release, precision, f
     from zerolens.strategies.deepspeed import zero12_overflow_check
     settings = TrainSettings(precision=precision, grad_overflow_check=flag)
     assert zero12_overflow_check(settings, release) == check
+
+
+def test_a_trace_thaws_what_it_froze_unless_the_process_is_zerolenss(monkeypatch):
+    """traced_rank freezes what is alive before it (on_a_collected_heap): a caller's objects are thawed
+    after, so that Python collects them as before; zerolens's own processes keep them frozen."""
+    import gc
+
+    from zerolens.predict import peak
+    settings = TrainSettings(precision="bf16", world_size=2, micro_batch=2)
+    gc.unfreeze()
+    peak.traced_rank("ddp", PRESETS["gpt-tiny"], settings)
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(peak, "THAW_AFTER_TRACE", False)
+    try:
+        peak.traced_rank("ddp", PRESETS["gpt-tiny"], settings)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -22,14 +22,16 @@ class Pool(ProcessPoolExecutor):
 
 def pool(jobs: int) -> Pool:
     # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
-    return Pool(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                initializer=leave_interrupts_to_the_command)
+    return Pool(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker)
 
 
-def leave_interrupts_to_the_command() -> None:
+def start_worker() -> None:
     """A pool worker ignores Ctrl-C, which a terminal sends to every process of the command's group: the
-    `zerolens` process takes it and ends the workers (end_pool), without a traceback from each."""
+    `zerolens` process takes it and ends the workers (end_pool), without a traceback from each. Its
+    traces keep the heap frozen (predict.peak.keep_heap_frozen): the process is zerolens's."""
+    from zerolens.predict.peak import keep_heap_frozen
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_heap_frozen()
 
 
 def end_pool(executor) -> None:

@@ -38,6 +38,8 @@ each allocation was made (predict/peak.py).
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -549,7 +551,26 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
     """The requests through a model allocator of `settings` (CachingAllocator's: expandable,
     max_split_size, roundup_divisions) under `cap`; raises OutOfMemory where the allocator would. A
     ("phase", key, ...) mark begins a phase (its allocated peak: `phase_peaks[key]`)."""
-    allocator = CachingAllocator(cap=cap, **settings)
+    with collections_paused():
+        return replayed(requests, CachingAllocator(cap=cap, **settings))
+
+
+@contextlib.contextmanager
+def collections_paused():
+    """Python's cyclic garbage collector off for a replay, which makes millions of blocks and no garbage a
+    collection could free before it ends (its blocks, linked to each other, die with its allocator): the
+    collections its allocations set off walked every object of the process, torch's modules included."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def replayed(requests: list, allocator: CachingAllocator) -> CachingAllocator:
+    """run_requests' replay through `allocator`."""
     blocks: dict[int, Block] = {}
     malloc, free, take = allocator.malloc, allocator.free, blocks.pop
     for action, ident, size, stream in requests:
