@@ -158,8 +158,10 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.settle()
             if func is DEVICE_QUERY and all(t is FakeTensor for t in types):
-                # What MemTracker does of it, without its bookkeeping of no tensors
-                device = func(*args, **(kwargs or {}))
+                # What MemTracker does of it, without its bookkeeping of no tensors; the device as FakeTensor's
+                # own __torch_dispatch__ answers it (its first lines), without dispatching it again
+                tensor = args[0]
+                device = torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
                 if active_fake_mode() is getattr(self, "_fake_mode_on_entry", active_fake_mode()):
                     self._update_peak_stats(None)
                 return device
