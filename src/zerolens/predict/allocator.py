@@ -551,8 +551,18 @@ def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None =
     """The requests through a model allocator of `settings` (CachingAllocator's: expandable,
     max_split_size, roundup_divisions) under `cap`; raises OutOfMemory where the allocator would. A
     ("phase", key, ...) mark begins a phase (its allocated peak: `phase_peaks[key]`)."""
+    allocator = CachingAllocator(cap=cap, **settings)
+    blocks: dict[int, Block] = {}
+    malloc, free, take = allocator.malloc, allocator.free, blocks.pop
     with collections_paused():
-        return replayed(requests, CachingAllocator(cap=cap, **settings))
+        for action, ident, size, stream in requests:
+            if action == "alloc":
+                blocks[ident] = malloc(size, stream)
+            elif action == "phase":
+                allocator.begin_phase(ident)
+            else:
+                free(take(ident))
+    return allocator
 
 
 @contextlib.contextmanager
@@ -567,20 +577,6 @@ def collections_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-def replayed(requests: list, allocator: CachingAllocator) -> CachingAllocator:
-    """run_requests' replay through `allocator`."""
-    blocks: dict[int, Block] = {}
-    malloc, free, take = allocator.malloc, allocator.free, blocks.pop
-    for action, ident, size, stream in requests:
-        if action == "alloc":
-            blocks[ident] = malloc(size, stream)
-        elif action == "phase":
-            allocator.begin_phase(ident)
-        else:
-            free(take(ident))
-    return allocator
 
 
 def runs(requests: list[tuple[str, int, int, int]], cap: int, **settings) -> bool:

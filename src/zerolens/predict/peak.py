@@ -274,8 +274,8 @@ def predict_peaks(name: str, model_config: ModelConfig, settings: TrainSettings,
 # Whether a trace thaws after it what on_a_collected_heap froze before it: yes in a caller's process,
 # whose objects Python must go on collecting when they die; not in zerolens's own processes that trace
 # many times (estimate's and plan's pool workers, verify's prediction process: keep_heap_frozen), whose
-# traces then collect only what the earlier ones left alive (Llama-2-70B, fsdp2, zero3 and ddp at 4096 ranks, one process: 66.6 s thawed, 61.7 s
-# not, the same peak memory).
+# traces then collect only what the earlier ones left alive (Llama-2-70B, fsdp2, zero3 and ddp at 4096
+# ranks, one process: 66.6 s thawed, 61.7 s not, the same peak memory).
 THAW_AFTER_TRACE = True
 
 
