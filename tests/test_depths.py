@@ -107,7 +107,10 @@ def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
     assert scaling("ddp", dataclasses.replace(deep, num_layers=depths.SCALED_FROM - 1), settings,
                    cuda_capability=H200)[0] == {"traced": True}
     assert scaling("ddp", deep, settings, cuda_capability=None)[0] == {"traced": True}  # a CPU target
-    assert asked == [(depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False), (depths.SCALED_FROM, False)]
+    # The deep one after a shallow trace of its own, which tells whether its second step can be written
+    # from its first (predict/repeat.py); not a shallower model, nor a CPU target
+    assert asked == [(depths.TRACED_DEPTHS[0], True), (depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False),
+                     (depths.SCALED_FROM, False)]
 
 
 def recording_inner(calls: list):
@@ -123,7 +126,7 @@ def test_a_strategy_seen_never_to_repeat_per_block_is_traced_whole_at_once():
     deep = llama_tiny(depths.SCALED_FROM)
     calls = []
     out, _ = depths.DepthScaling(recording_inner(calls))("zero3", deep, settings, cuda_capability=H200)
-    assert calls == [depths.SCALED_FROM]
+    assert calls == [depths.TRACED_DEPTHS[0], depths.SCALED_FROM]  # the shallow one: for its second step's sake
     assert out["why_not_depth_scaled"] == registry.spec("zero3").not_depth_scaled
     calls.clear()  # DDP is tried: five shallow traces, here refused (no sequence), then the whole
     out, _ = depths.DepthScaling(recording_inner(calls))("ddp", deep, settings, cuda_capability=H200)

@@ -1,13 +1,15 @@
-"""A trace's third step written from its second (predict/repeat.py): the same requests as the third step
-traced, and the same figures, for every strategy that passes the check; traced where it does not."""
+"""A trace's third step written from its second, and its second from its first (predict/repeat.py): the same
+requests as the steps traced, and the same figures, for every strategy that passes the check; traced where it
+does not."""
 import dataclasses
 
 import pytest
 
 from zerolens.models.hf import model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig
+from zerolens.predict import peak
 from zerolens.predict.peak import rank_outcome, traced_rank
-from zerolens.predict.repeat import ALLOCS, FREES, repeated_step
+from zerolens.predict.repeat import alike, repeated_step, second_step, second_step_follows
 from zerolens.strategies import TrainSettings
 
 H200 = (9, 0)
@@ -46,31 +48,6 @@ def test_a_step_that_does_not_leave_what_it_found_is_not_written():
     assert repeated_step(setup + first, starts, {}, {}) is None  # one step: nothing to write from
 
 
-def same_requests(written: list, traced: list) -> bool:
-    """Equal up to the requests' ids, each run of consecutive frees taken as a set: storages released
-    together (a dict of them dropped) are freed in an order that differs from one trace to the next."""
-    if len(written) != len(traced):
-        return False
-    ids, k = {}, 0
-    while k < len(written):
-        a, b = written[k], traced[k]
-        if a[0] in FREES and b[0] in FREES:
-            end = k
-            while end < len(written) and written[end][0] in FREES and traced[end][0] in FREES:
-                end += 1
-            if sorted((r[0], ids.get(r[1]), r[3]) for r in written[k:end]) != \
-                    sorted((r[0], r[1], r[3]) for r in traced[k:end]):
-                return False
-            k = end
-            continue
-        if (a[0], a[2], a[3]) != (b[0], b[2], b[3]) or (a[0] not in ALLOCS and a[1] != b[1]):
-            return False
-        if a[0] in ALLOCS:
-            ids[a[1]] = b[1]
-        k += 1
-    return True
-
-
 def written_and_traced(name: str, model_config: ModelConfig, settings: TrainSettings):
     brackets = name in ("zero1", "zero2")  # the spliced trace's marks are written too
     return [traced_rank(name, model_config, settings, cuda_capability=H200, brackets=brackets, outcome=False,
@@ -80,7 +57,7 @@ def written_and_traced(name: str, model_config: ModelConfig, settings: TrainSett
 def check_written_is_traced(name: str, model_config: ModelConfig, settings: TrainSettings):
     written, traced = written_and_traced(name, model_config, settings)
     assert written["repeated_steps"] == (0 if name == "ddp" else 1)  # DDP's second step rebuilds its buckets
-    assert same_requests(written["requests"], traced["requests"])
+    assert alike(written["requests"], traced["requests"])
     assert written["phase_peaks"] == traced["phase_peaks"] and written["held"] == traced["held"]
     if name not in ("zero1", "zero2"):
         assert rank_outcome(written) == rank_outcome(traced)  # the peaks, and the allocator model's figures
@@ -103,3 +80,93 @@ def test_the_third_step_written_is_the_third_step_traced(name, case):
     else:
         model, settings = PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=1)
     check_written_is_traced(name, model, settings)
+
+
+# Set-up: a weight (0) and the first micro-batch (1). The first step frees the micro-batch in its backward,
+# makes an optimizer state (4) that it keeps, and leaves the next micro-batch (5) for the next step to free.
+SETUP = [("alloc", 0, 4096, 0), ("alloc", 1, 1024, 0)]
+FIRST = [("phase", (0, "forward"), None, 0), ("alloc", 2, 2048, 0), ("kernel_alloc", 3, 512, 1),
+         ("kernel_free", 3, 512, 1), ("phase", (0, "backward"), None, 0), ("free", 1, 0, 0), ("free", 2, 0, 0),
+         ("phase", (0, "step"), None, 0), ("alloc", 4, 4096, 0), ("alloc", 5, 1024, 0)]
+
+
+def test_a_second_step_is_its_first_without_the_state_the_first_made():
+    raw, inside = {2: 2000}, {3: ("rule", (1,))}
+    written = second_step(SETUP + FIRST, [len(SETUP), len(SETUP) + len(FIRST)], raw, inside)
+    # No state made again; the micro-batch the first left (5) freed where the first freed the set-up's (1)
+    assert written == [("phase", (1, "forward"), None, 0), ("alloc", 6, 2048, 0), ("kernel_alloc", 7, 512, 1),
+                       ("kernel_free", 7, 512, 1), ("phase", (1, "backward"), None, 0), ("free", 5, 0, 0),
+                       ("free", 6, 0, 0), ("phase", (1, "step"), None, 0), ("alloc", 8, 1024, 0)]
+    assert raw[6] == 2000 and inside[7] == ("rule", (1,))
+
+
+def test_a_first_step_that_leaves_no_counterpart_of_what_it_freed_is_not_written_again():
+    # What it leaves last (the state, 4096 bytes) is not what it freed of the set-up (1024 bytes)
+    first = FIRST[:-2] + [("alloc", 5, 1024, 0), ("alloc", 4, 4096, 0)]
+    assert second_step(SETUP + first, [len(SETUP), len(SETUP) + len(first)], {}, {}) is None
+    on_another_stream = FIRST[:-1] + [("alloc", 5, 1024, 1)]
+    assert second_step(SETUP + on_another_stream, [len(SETUP), len(SETUP) + len(FIRST)], {}, {}) is None
+
+
+def test_whether_a_traced_second_step_is_its_first_written_again():
+    second = second_step(SETUP + FIRST, [len(SETUP), len(SETUP) + len(FIRST)], {}, {})
+    starts = [len(SETUP), len(SETUP) + len(FIRST), len(SETUP) + len(FIRST) + len(second)]
+    assert second_step_follows(SETUP + FIRST + second, starts)
+    remade = second[:-1] + [("alloc", 9, 4096, 0), second[-1]]  # the second step makes a state again
+    assert not second_step_follows(SETUP + FIRST + remade, starts[:2] + [starts[2] + 1])
+    assert not second_step_follows(SETUP + FIRST, starts[:2])  # one step traced: nothing to compare
+
+
+def check_second_written_is_traced(name: str, model_config: ModelConfig, settings: TrainSettings):
+    brackets = name in ("zero1", "zero2")
+    written, traced = [traced_rank(name, model_config, settings, cuda_capability=H200, brackets=brackets,
+                                   outcome=False, second_from_first=first)[1] for first in (True, False)]
+    assert written["second_step_written"] and not traced["second_step_written"]
+    assert alike(written["requests"], traced["requests"])
+    assert written["phase_peaks"] == traced["phase_peaks"] and written["held"] == traced["held"]
+    if not brackets:
+        assert rank_outcome(written) == rank_outcome(traced)
+
+
+def test_zero2s_second_step_written_is_its_second_step_traced():
+    check_second_written_is_traced("zero2", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2,
+                                                                              world_size=2))
+
+
+def test_a_full_trace_tells_later_traces_at_other_depths_and_micro_batches_to_write_their_second_step():
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
+    shallow = dataclasses.replace(PRESETS["gpt-tiny"], num_layers=1)
+    peak.SECOND_STEP_FOLLOWS.clear()
+    first = traced_rank("fsdp2", shallow, settings, cuda_capability=H200, outcome=False)[1]
+    later = traced_rank("fsdp2", PRESETS["gpt-tiny"], dataclasses.replace(settings, micro_batch=3),
+                        cuda_capability=H200, outcome=False)[1]
+    assert not first["second_step_written"] and later["second_step_written"]
+    other_rank = traced_rank("fsdp2", PRESETS["gpt-tiny"], settings, rank=1, cuda_capability=H200, outcome=False)[1]
+    assert not other_rank["second_step_written"]  # no full trace of that rank yet
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PREDICTED)
+@pytest.mark.parametrize("case", ["gpt-tiny-3-ranks-ckpt-fp16", "llama-tiny-accum-2", "mixtral-tiny"])
+def test_the_second_step_written_is_the_second_step_traced_where_a_full_trace_says_so(name, case):
+    if case == "gpt-tiny-3-ranks-ckpt-fp16":
+        model = dataclasses.replace(PRESETS["gpt-tiny"], activation_checkpointing=True)
+        settings = TrainSettings(precision="fp16", micro_batch=3, world_size=3)
+    elif case == "llama-tiny-accum-2":
+        model = ModelConfig(**model_config_fields("examples/hf/llama-tiny.json", depth=None, seq_len=64))
+        settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2, grad_accum=2)
+    else:
+        model = ModelConfig(**model_config_fields("examples/hf/mixtral-tiny.json", depth=None, seq_len=64))
+        settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
+    brackets = name in ("zero1", "zero2")
+    full = traced_rank(name, model, settings, cuda_capability=H200, brackets=brackets, outcome=False,
+                       second_from_first=False)[1]
+    key = peak.second_step_key(name, model, settings, rank=0, seed=0, cuda_capability=H200, trace_on=None,
+                               brackets=brackets)
+    # ZeRO-3's first step records the order its prefetch follows from the second; DDP's second rebuilds its buckets
+    assert peak.SECOND_STEP_FOLLOWS[key] == (name not in ("ddp", "zero3"))
+    if peak.SECOND_STEP_FOLLOWS[key]:
+        check_second_written_is_traced(name, model, settings)
+    else:  # the verdict keeps the next trace whole
+        again = traced_rank(name, model, settings, cuda_capability=H200, brackets=brackets, outcome=False)[1]
+        assert not again["second_step_written"] and alike(again["requests"], full["requests"])

@@ -62,6 +62,8 @@ class DepthScaling:
         self.shallow: dict[str, dict] = {}  # a shallow trace's arguments -> its record (plan asks many depths)
 
     def shallow_record(self, name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
+        """The record of a shallow trace, traced once (the first at each depth tells later traces of the
+        strategy whether their second step can be written from their first: peak.SECOND_STEP_FOLLOWS)."""
         key = repr((name, model_config, settings, sorted(options.items())))  # repr: an HF config holds dicts
         if key not in self.shallow:
             # Its own figures are not needed: the allocator model replays the deep sequence only
@@ -77,11 +79,17 @@ class DepthScaling:
             why = registry.spec(name).not_depth_scaled
             if why is None:
                 records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
-                                                  cuda_capability=cuda_capability, **options) for d in TRACED_DEPTHS}
+                                                  cuda_capability=cuda_capability, brackets=brackets, **options)
+                           for d in TRACED_DEPTHS}
                 record, why = deepened(records, depth)
                 if record is not None:
                     outcome = rank_outcome(record, options.get("try_cap"))
                     return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
+        if cuda_capability is not None and depth is not None and depth >= SCALED_FROM:
+            # Traced whole, after a shallow trace of its own: where that one's second step is its first
+            # written again, the deep trace's is written so, not traced (predict/repeat.py, second_step)
+            self.shallow_record(name, dataclasses.replace(model_config, num_layers=TRACED_DEPTHS[0]), settings,
+                                cuda_capability=cuda_capability, brackets=brackets, **options)
         out, record = self.inner(name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets,
                                  **options)
         return (out | {"why_not_depth_scaled": why} if why else out), record

@@ -20,7 +20,7 @@ import dataclasses
 
 from zerolens.models.model import ModelConfig
 from zerolens.predict.kernel_workspaces import buffer_bytes
-from zerolens.predict.peak import WORKSPACE_ID, rank_outcome, sequence_peaks, traced_rank
+from zerolens.predict.peak import rank_outcome, sequence_peaks, traced_rank, without_workspaces
 from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings
 
@@ -143,12 +143,6 @@ def figures(record: dict) -> dict:
     peaks, end = sequence_peaks(without_workspaces(record["requests"]))
     return {"beside": {key: peak - peaks[key] for key, peak in record["phase_peaks"].items()},
             "held_beside": record["held"] - end, "batch_bytes": record["batch_bytes"]}
-
-
-def without_workspaces(requests: list) -> list:
-    """A sequence without the cuBLAS workspaces, which the tracker does not count and which come at
-    the first matrix product of a phase: at a small micro-batch a phase's peak can come before it."""
-    return [r for r in requests if not (isinstance(r[1], str) and r[1].startswith(WORKSPACE_ID))]
 
 
 def scaled_record(records: dict[int, dict], micro_batch: int) -> dict | None:

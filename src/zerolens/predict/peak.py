@@ -7,7 +7,8 @@ allocates them (DDP, DeepSpeed), or the backend's own code (FSDP2). The step run
 under a fake process group (fake_process_group: collectives that move nothing) and FakeTensorMode,
 so no tensor has memory (a 70B model costs nothing), and torch's MemTracker follows every storage
 at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS; for a CUDA target
-the third is written from the second where its check allows: predict/repeat.py). A training
+the third is written from the second, and the second from the first, where their checks allow:
+predict/repeat.py). A training
 worker, which has a process group of its own, predicts in a fresh process (run/prediction.py).
 
 On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor), and
@@ -19,6 +20,7 @@ Not seen: buffers a kernel allocates and frees inside one operation (invisible a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
@@ -40,7 +42,7 @@ from zerolens.models.model import (
 )
 from zerolens.predict.allocator import allocator_needs, neediest_needs
 from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
-from zerolens.predict.repeat import repeated_step
+from zerolens.predict.repeat import repeated_step, second_step, second_step_follows
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -310,14 +312,23 @@ def on_a_collected_heap(trace):
 def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
                 cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None, steps: int = STEPS,
                 requests: list | None = None, brackets: bool = False, outcome: bool = True,
-                try_cap: int | None = None, repeat: bool = True) -> tuple[dict | None, dict]:
+                try_cap: int | None = None, repeat: bool = True,
+                second_from_first: bool | None = None) -> tuple[dict | None, dict]:
     """predict_peaks (None without `outcome`: the allocator model not run), and the trace's record, what a splice (spliced_ranks) or a scaling to other
     micro-batches (predict/micro_batches.py) needs of it: `requests`, the allocation sequence (with
     each phase's start marked, and with `brackets` the step model's
     rank_own brackets, whatever the target), `raw` (each allocation's bytes before rounding),
     `phase_peaks` (the tracker's peak per (step, phase)), `held`, `step_model`, and what rank_outcome
     needs besides. With `repeat`, a CUDA target's third step is written from its second where the
-    second passes predict/repeat.py's check (`repeated_steps`: 1), not traced."""
+    second passes predict/repeat.py's check (`repeated_steps`: 1), not traced; and its second from its
+    first (`second_step_written`) where `second_from_first` is True, or, where it is None, where a full
+    trace of this strategy, model, settings and rank at another depth or micro-batch in this process
+    showed that second step to be its first written again (SECOND_STEP_FOLLOWS)."""
+    follows_key = second_step_key(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
+                                  trace_on=trace_on, brackets=brackets)
+    if second_from_first is None:
+        second_from_first = SECOND_STEP_FOLLOWS.get(follows_key, False)
+    second_from_first = second_from_first and repeat and cuda_capability is not None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerolens.measure.tracker import dtensor_shapes_untraced, reset_tracker_peak, tracker_total
@@ -378,9 +389,18 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 
         step_starts: list[int] = []  # where each step's requests begin (predict/repeat.py)
+        written, repeated, held_after_first = None, None, None
         for step in range(steps):
             if requests is not None:
                 step_starts.append(len(requests))
+            if step == 1:
+                held_after_first = tracker_total(tracker, "current")
+                # The second step, written from the first where a full trace showed it so (its peaks below)
+                written = second_step(requests, step_starts, raw, inside) if second_from_first else None
+                if written is not None:
+                    requests.extend(written)
+                    traced.append({})
+                    continue
             # A CUDA target's third step, written from its second where that leaves the state it found.
             repeated = repeated_step(requests, step_starts, raw, inside) \
                 if repeat and step == 2 and cuda_capability is not None else None
@@ -406,15 +426,81 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             with phase("step", traced[-1]):
                 step_model.step()
         held = tracker_total(tracker, "current")
+    if requests is not None:
+        numbered_in_order(requests, raw, inside)
+    if written is not None:  # the tracker's figures beside the sequence, of its one traced step, for the others
+        held = steps_written_from_first(requests, step_starts, traced, held)
+    elif requests is not None and repeat and cuda_capability is not None and len(step_starts) >= 3:
+        SECOND_STEP_FOLLOWS[follows_key] = second_step_follows(requests, step_starts) \
+            and beside_alike(requests, step_starts, traced, held_after_first, held)
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
     record = {"requests": requests, "raw": raw, "inside": inside, "geometry": geometry,
               "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
-              "repeated_steps": int(repeated is not None),
+              "repeated_steps": int(repeated is not None), "second_step_written": written is not None,
               "brackets": brackets, "cuda_capability": cuda_capability, "traced_on": traced_on(device),
               "batch_bytes": tokens.nbytes + labels.nbytes,
               "gloo_late_free_bytes": {name: sorted(sizes) for name, sizes in collective_buffers.items() if sizes}
               if cuda_capability is None else {}}
     return rank_outcome(record, try_cap) if outcome else None, record
+
+
+# Per strategy, model at any depth, settings at any micro-batch, rank and way of tracing (second_step_key):
+# whether a full trace in this process showed its second step to be its first written again
+# (predict/repeat.py), so that later traces of it stop after one step (traced_rank's `second_from_first`).
+SECOND_STEP_FOLLOWS: dict[str, bool] = {}
+
+
+def second_step_key(name: str, model_config: ModelConfig, settings: TrainSettings, **trace) -> str:
+    """What a SECOND_STEP_FOLLOWS verdict holds for (repr: a Hugging Face model's configuration holds dicts)."""
+    return repr((name, dataclasses.replace(model_config, num_layers=0), dataclasses.replace(settings, micro_batch=0),
+                 sorted(trace.items())))
+
+
+def numbered_in_order(requests: list, raw: dict, inside: dict) -> None:
+    """A trace's allocations numbered 0, 1, 2, ... in the order made, in place (`raw` and `inside`, keyed
+    by them, too): the tracker's numbers skip those of sums made in place, which a step written from
+    another (predict/repeat.py) does not, so that traces alike would differ in their numbers alone."""
+    number: dict[int, int] = {}
+    for i, (action, ident, size, stream) in enumerate(requests):
+        if isinstance(ident, int) and action in ("alloc", "kernel_alloc"):
+            number[ident] = len(number)
+            ident = number[ident]
+        elif isinstance(ident, int) and action in ("free", "kernel_free"):
+            ident = number[ident]
+        else:
+            continue
+        requests[i] = (action, ident, size, stream)
+    for table in (raw, inside):
+        renumbered = {number.get(key, key): value for key, value in table.items()}
+        table.clear()
+        table.update(renumbered)
+
+
+def beside_alike(requests: list, step_starts: list[int], traced: list[dict], held_after_first: int,
+                 held: int) -> bool:
+    """Whether the tracker counted as much beside the sequence in a trace's second step as in its first, in
+    each phase and after it: what steps_written_from_first takes of the first for the steps it writes."""
+    peaks, end = sequence_peaks(without_workspaces(requests))
+    end_of_first = sequence_peaks(without_workspaces(requests[:step_starts[1]]))[1]
+    return held - end == held_after_first - end_of_first and \
+        all(traced[1][phase] - peaks[(1, phase)] == traced[0][phase] - peaks[(0, phase)] for phase in PHASES)
+
+
+def steps_written_from_first(requests: list, step_starts: list[int], traced: list[dict], held: int) -> int:
+    """For a trace whose later steps were written from its one traced step: each written step's peak per
+    phase (`traced[1:]`, filled in) and what the tracker would hold after the last, each the sequence's
+    own plus what the tracker counted beside it in the first step (`held`: what it held after that one)."""
+    peaks, end = sequence_peaks(without_workspaces(requests))
+    end_of_first = sequence_peaks(without_workspaces(requests[:step_starts[1]]))[1]
+    for step in range(1, len(traced)):
+        traced[step] = {phase: peaks[(step, phase)] + traced[0][phase] - peaks[(0, phase)] for phase in PHASES}
+    return end + held - end_of_first
+
+
+def without_workspaces(requests: list) -> list:
+    """A sequence without the cuBLAS workspaces, which the tracker does not count and which come at
+    the first matrix product of a phase: at a small micro-batch a phase's peak can come before it."""
+    return [r for r in requests if not (isinstance(r[1], str) and r[1].startswith(WORKSPACE_ID))]
 
 
 def rank_outcome(record: dict, try_cap: int | None = None) -> dict:
@@ -464,9 +550,9 @@ def sequence_peaks(requests: list) -> tuple[dict, int]:
     allocated at the phase's start), and the total at its end."""
     total, sizes, phase, peaks = 0, {}, None, {}
     for action, ident, size, _ in requests:
-        if action == "phase":
+        if action == "phase":  # marked again (a later micro-batch's under accumulation): its highest kept
             phase = ident
-            peaks[phase] = total
+            peaks[phase] = max(peaks.get(phase, 0), total)
             continue
         if action == "alloc":
             sizes[ident] = size

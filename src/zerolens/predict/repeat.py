@@ -1,4 +1,4 @@
-"""A trace's third step written from its second, where the second leaves the state it found.
+"""A trace's later steps written from its first two, or from its first, where they repeat.
 
 A peak trace (predict/peak.py) takes three steps: the first makes the optimizer states, the second is
 where DDP rebuilds its buckets, and the third stands for every later one. For a step model whose second
@@ -17,8 +17,22 @@ after. DDP fails the check (its second step frees the set-up's buckets and keeps
 traced whole. tests/test_repeat.py compares the written third step with the traced one, request for
 request, for every strategy on the presets, Hugging Face models, gradient accumulation and
 checkpointing.
+
+The second step, likewise, is the first without the state the first made (the optimizer's states, made
+at its first update, and any a model keeps from its first forward): where a full trace of the same
+strategy, model (at any depth), settings (at any micro-batch) and rank showed its second step to be
+its first written so (second_step_follows), a trace stops after one step, its second step written from
+the first (second_step) and its third from that. The first step's new state is what it allocates and
+leaves live but for what the second frees: as many as the first step freed of the set-up, its last
+such allocations, one for one in allocation order with those (shape; on the presets and Hugging Face
+models, two small tensors that each step leaves for the next one's backward to free). Where a trace's own first step does not fit that, its second is traced. ZeRO-3 (whose first
+step records the order its prefetch follows from the second) and DDP fail the check and are traced
+whole. tests/test_repeat.py compares the steps written with the steps traced, request for request, for
+every strategy on the presets and Hugging Face models.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 ALLOCS = ("alloc", "kernel_alloc")
 FREES = ("free", "kernel_free")
@@ -67,3 +81,74 @@ def shape(request: tuple) -> tuple:
     """What must match between an allocation and its counterpart a step later: all but the id."""
     action, _, size, stream = request
     return action, size, stream
+
+
+def second_step(requests: list, step_starts: list[int], raw: dict, inside: dict) -> list | None:
+    """The requests of a trace's second step, written from its first (the module's rule), or None where
+    the first does not leave, of what it allocates, the micro-batch's counterparts of what it freed of
+    the set-up. `requests`, `raw`, `inside`: as repeated_step's; `step_starts`: where the first step's
+    requests begin and where the second's would."""
+    setup, first = requests[:step_starts[-2]], requests[step_starts[-2]:step_starts[-1]]
+    freed = {r[1] for r in first if r[0] in FREES}
+    carried_in = [r for r in setup if r[0] in ALLOCS and r[1] in freed]
+    left = [r for r in first if r[0] in ALLOCS and r[1] not in freed]
+    carried_out = left[len(left) - len(carried_in):]
+    if [shape(r) for r in carried_in] != [shape(r) for r in carried_out]:
+        return None
+    state = {r[1] for r in left[:len(left) - len(carried_in)]}  # made once: the second step has it
+    successor = {a[1]: b[1] for a, b in zip(carried_in, carried_out)}
+    fresh = 1 + max((r[1] for r in requests if r[0] in ALLOCS and isinstance(r[1], int)), default=-1)
+    out = []
+    for action, ident, size, stream in first:
+        if action in ALLOCS and ident in state:
+            continue
+        if action == "phase":
+            out.append((action, (ident[0] + 1, ident[1]), size, stream))
+        elif action in ALLOCS:
+            successor[ident] = fresh
+            for table in (raw, inside):
+                if ident in table:
+                    table[fresh] = table[ident]
+            out.append((action, fresh, size, stream))
+            fresh += 1
+        elif action in FREES:
+            out.append((action, successor[ident], size, stream))
+        else:  # a step model's bracket marks: the same in every step
+            out.append((action, ident, size, stream))
+    return out
+
+
+def second_step_follows(requests: list, step_starts: list[int]) -> bool:
+    """Whether a trace's traced second step is its first written again (second_step): `step_starts`,
+    where each traced step began, and where the third would."""
+    if len(step_starts) < 3:
+        return False
+    written = second_step(requests[:step_starts[1]], step_starts[:2], {}, {})
+    return written is not None and alike(written, requests[step_starts[1]:step_starts[2]],
+                                         known={r[1]: r[1] for r in requests[:step_starts[1]] if r[0] in ALLOCS})
+
+
+def alike(written: list, traced: list, known: dict | None = None) -> bool:
+    """Whether two runs of requests are the same up to the ids of what they allocate (`known`: ids
+    the two share, the same in both), each run of consecutive frees taken as a set: storages released
+    together (a dict of them dropped) are freed in an order that differs from one trace to the next."""
+    if len(written) != len(traced):
+        return False
+    ids, k = dict(known or {}), 0
+    while k < len(written):
+        a, b = written[k], traced[k]
+        if a[0] in FREES and b[0] in FREES:
+            end = k
+            while end < len(written) and written[end][0] in FREES and traced[end][0] in FREES:
+                end += 1
+            if Counter((r[0], ids.get(r[1]), r[3]) for r in written[k:end]) != \
+                    Counter((r[0], r[1], r[3]) for r in traced[k:end]):
+                return False
+            k = end
+            continue
+        if (a[0], a[2], a[3]) != (b[0], b[2], b[3]) or (a[0] not in ALLOCS and a[1] != b[1]):
+            return False
+        if a[0] in ALLOCS:
+            ids[a[1]] = b[1]
+        k += 1
+    return True
