@@ -374,3 +374,30 @@ def test_a_replay_pauses_the_garbage_collector_and_leaves_it_as_it_found_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name", ["case-study-default", "gpt2-expandable", "gpt2-split64-roundup"])
+def test_a_capped_run_resumed_where_it_parts_from_the_uncapped_one_is_the_run_from_the_start(name):
+    """runs() given the run without a cap (CappedRuns) goes on from the state before the request where a cap
+    first stops it, kept from an earlier run: under every cap from the allocated peak to the reserved peak
+    (and one granule past each end), the same outcome, the same peaks, segments and events as a run from the
+    first request; the runs resumed in any order."""
+    from zerolens.predict.allocator import CappedRuns, alloc_settings, runs
+    record = recording(name)
+    requests, settings = requests_of_recording(record), alloc_settings(record.get("alloc_conf") or "")[0]
+    uncapped = run_requests(requests, **settings)
+    granule = max(SMALL_BUFFER, (uncapped.reserved_peak - uncapped.allocated_peak) // 24 // SMALL_BUFFER * SMALL_BUFFER)
+    caps = list(range(uncapped.allocated_peak // granule * granule - granule, uncapped.reserved_peak + 2 * granule,
+                      granule))
+    for cap in caps[::2] + caps[1::2]:  # the saved states reused by caps above and below them
+        try:
+            whole = run_requests(requests, cap=cap, **settings)
+        except OutOfMemory:
+            whole = None
+        assert runs(requests, cap, uncapped=uncapped) == (whole is not None)
+        if whole is not None:
+            resumed = CappedRuns.of(uncapped).run(requests, cap)
+            assert (resumed.allocated_peak, resumed.reserved_peak, resumed.phase_peaks) == \
+                (whole.allocated_peak, whole.reserved_peak, whole.phase_peaks)
+            assert resumed.snapshot() == whole.snapshot() and resumed.events == whole.events
+    assert min(CappedRuns.of(uncapped).states) > 0  # resumed past the first request

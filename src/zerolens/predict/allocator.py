@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import gc
 import itertools
 import os
@@ -192,11 +193,41 @@ class CachingAllocator:
         self.phase_peaks: dict = {}
         self.phase = None
         self.events: list[tuple[str, int, int, int]] = []
+        # Where asked (run_requests without a cap): the memory reserved with each segment made or page
+        # mapped, as the cap is checked (the reserved bytes and the request's segment size), in order.
+        self.demands: list[int] | None = None
         self._lowest_address = self._next_address = 1 << 56
         if addresses not in ADDRESS_ORDERS:
             raise ValueError(f"addresses: one of {ADDRESS_ORDERS}, got {addresses!r}")
         self.place_segment = place_segment or (self._below_the_last if addresses == "downwards"
                                                else self._above_the_last)
+
+    def clone(self, blocks: dict) -> tuple[CachingAllocator, dict]:
+        """A copy of this allocator's state, and of `blocks` (a replay's request id -> its live block) in
+        it, that a replay can go on from without changing this one."""
+        other = copy.copy(self)
+        copied: dict[int, Block] = {}  # id() of a block here -> its copy
+        other.segments = {}
+        for address, segment in self.segments.items():
+            twin = Segment(segment.address, segment.size, segment.stream, segment.small)
+            block, before = segment.first, None
+            while block is not None:
+                new = Block(block.address, block.size, block.stream, block.small, twin, block.allocated, before,
+                            None, block.mapped)
+                if before is None:
+                    twin.first = new
+                else:
+                    before.next = new
+                copied[id(block)] = before = new
+                block = block.next
+            other.segments[address] = twin
+        other.small_pool, other.large_pool = (
+            Pool(list(pool.keys), {key: copied[id(b)] for key, b in pool.blocks.items()},
+                 {key: copied[id(b)] for key, b in pool.unmapped.items()}) for pool in (self.small_pool, self.large_pool))
+        other.phase_peaks, other.events, other.demands = dict(self.phase_peaks), list(self.events), None
+        if getattr(self.place_segment, "__self__", None) is self:  # the address orders' own: the copy's
+            other.place_segment = getattr(other, self.place_segment.__name__)
+        return other, {ident: copied[id(block)] for ident, block in blocks.items()}
 
     # A new segment's address where the run does not say (ADDRESS_ORDERS): below or above the last
     # one, on a 1 GiB boundary (no two segments overlap, whatever their size: a block is known by its
@@ -275,6 +306,8 @@ class CachingAllocator:
     def _new_memory(self, pool: Pool, size: int, stream: int, small: bool) -> Block | None:
         """A segment cudaMalloc'd, or an expandable segment's pages mapped; None past the cap, which is
         checked against the segment the request would get either way (alloc_block: p.alloc_size)."""
+        if self.demands is not None:  # a run without a cap records where a cap would first stop it
+            self.demands.append(self.reserved + segment_size(size))
         if self.cap is not None and self.reserved + segment_size(size) > self.cap:
             return None
         if self.expandable:
@@ -547,21 +580,46 @@ def requests_of_recording(record: dict) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None = None, **settings) -> CachingAllocator:
+def run_requests(requests: list[tuple[str, int, int, int]], *, cap: int | None = None,
+                 resume: tuple[int, CachingAllocator, dict] | None = None, stop: int | None = None,
+                 **settings) -> CachingAllocator:
     """The requests through a model allocator of `settings` (CachingAllocator's: expandable,
     max_split_size, roundup_divisions) under `cap`; raises OutOfMemory where the allocator would. A
-    ("phase", key, ...) mark begins a phase (its allocated peak: `phase_peaks[key]`)."""
-    allocator = CachingAllocator(cap=cap, **settings)
-    blocks: dict[int, Block] = {}
+    ("phase", key, ...) mark begins a phase (its allocated peak: `phase_peaks[key]`). `resume`: the
+    request to begin at, the allocator and its live blocks to go on with (their state before that
+    request), from which `stop` (a request's index) ends the run, its blocks in `live_blocks`. Without
+    a cap, the run keeps where one would stop it (CappedRuns): `demand_at`, the requests that made or
+    mapped memory, and `demand_ceiling`, the most reserved with it then or before (each a cap below
+    which the run parts from this one there)."""
+    start, allocator, blocks = resume or (0, CachingAllocator(cap=cap, **settings), {})
+    allocator.cap = cap
     malloc, free, take = allocator.malloc, allocator.free, blocks.pop
+    end = len(requests) if stop is None else stop
     with collections_paused():
-        for action, ident, size, stream in requests:
-            if action == "alloc":
-                blocks[ident] = malloc(size, stream)
-            elif action == "phase":
-                allocator.begin_phase(ident)
-            else:
-                free(take(ident))
+        if cap is None and resume is None:
+            allocator.demands, at = [], []
+            for index in range(end):
+                action, ident, size, stream = requests[index]
+                if action == "alloc":
+                    made = len(allocator.demands)
+                    blocks[ident] = malloc(size, stream)
+                    if len(allocator.demands) != made:
+                        at.append(index)
+                elif action == "phase":
+                    allocator.begin_phase(ident)
+                else:
+                    free(take(ident))
+            allocator.demand_at, allocator.demand_ceiling = at, list(itertools.accumulate(allocator.demands, max))
+            allocator.demands, allocator.settings = None, settings
+        else:
+            for action, ident, size, stream in itertools.islice(requests, start, end):
+                if action == "alloc":
+                    blocks[ident] = malloc(size, stream)
+                elif action == "phase":
+                    allocator.begin_phase(ident)
+                else:
+                    free(take(ident))
+    allocator.live_blocks = blocks
     return allocator
 
 
@@ -579,13 +637,55 @@ def collections_paused():
             gc.enable()
 
 
-def runs(requests: list[tuple[str, int, int, int]], cap: int, **settings) -> bool:
-    """Whether the requests run under `cap` (run_requests, `settings` its own) without an out-of-memory error."""
+def runs(requests: list[tuple[str, int, int, int]], cap: int, *, uncapped: CachingAllocator | None = None,
+         **settings) -> bool:
+    """Whether the requests run under `cap` (run_requests, `settings` its own) without an out-of-memory
+    error. `uncapped`: their run without a cap (run_requests'), where the caller has it: the capped run
+    then goes on from the state where it first parts from that one (CappedRuns)."""
     try:
-        run_requests(requests, cap=cap, **settings)
+        if uncapped is None:
+            run_requests(requests, cap=cap, **settings)
+        else:
+            CappedRuns.of(uncapped).run(requests, cap)
     except OutOfMemory:
         return False
     return True
+
+
+class CappedRuns:
+    """Runs of one sequence under caps, each from the state where it parts from the sequence's run
+    without a cap. Without a cap the allocator never gives memory back, and a capped run does what the
+    uncapped one does, request for request, until a request would make or map memory past the cap (the
+    check: reserved plus the segment the request would get, `demand_ceiling`); before that request, its
+    state is the uncapped run's. The caps of a search part late (on Llama-2-70B's shape, after 35 to 50%
+    of the requests; near the reserved peak, later still): each run begins at the state before the
+    request where it parts, kept from an earlier run (`states`), not at the first request."""
+
+    def __init__(self, uncapped: CachingAllocator):
+        self.uncapped = uncapped
+        self.states: dict[int, tuple[CachingAllocator, dict]] = {}  # a request's index -> the state before it
+
+    @staticmethod
+    def of(uncapped: CachingAllocator) -> CappedRuns:
+        """The uncapped run's own (kept on it, as long as it lives)."""
+        if getattr(uncapped, "capped_runs", None) is None:
+            uncapped.capped_runs = CappedRuns(uncapped)
+        return uncapped.capped_runs
+
+    def run(self, requests: list, cap: int) -> CachingAllocator:
+        """run_requests under `cap`; raises OutOfMemory where it would."""
+        parts = bisect.bisect_right(self.uncapped.demand_ceiling, cap)
+        if parts == len(self.uncapped.demand_at):
+            return self.uncapped  # no request comes near the cap: it is the uncapped run
+        where = self.uncapped.demand_at[parts]
+        if where not in self.states:
+            start = max((index for index in self.states if index < where), default=None)
+            resume = None if start is None else (start, *self.states[start][0].clone(self.states[start][1]))
+            reached = run_requests(requests, cap=cap, resume=resume, stop=where, **self.uncapped.settings)
+            self.states[where] = reached, reached.live_blocks
+        allocator, blocks = self.states[where][0].clone(self.states[where][1])
+        return run_requests(requests, cap=cap, resume=(where, allocator, blocks))
+
 
 
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int = SMALL_BUFFER,
@@ -604,14 +704,14 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
         guess = hint // granularity
         # Where runs are not monotonic in the cap, several caps are such boundaries and the bisection's
         # path picks one; the hint's is as much the sequence's as the one the bisection would find.
-        if not runs(requests, (guess - 1) * granularity, **settings) and runs(requests, guess * granularity,
-                                                                            **settings):
+        if not runs(requests, (guess - 1) * granularity, uncapped=free_run) \
+                and runs(requests, guess * granularity, uncapped=free_run):
             return guess * granularity
     # First one granule below the reserved peak: the answer is the reserved peak itself in most runs of
     # the default allocator and a third of those with expandable segments (docs/results/1xh200/issue21,
     # traces.json.gz), where this one run ends the search.
     if low < high:
-        if not runs(requests, (high - 1) * granularity, **settings):
+        if not runs(requests, (high - 1) * granularity, uncapped=free_run):
             return high * granularity
         high -= 1
     # Then the lowest, below which no cap serves the allocated peak: the answer of the default allocator
@@ -619,11 +719,11 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     # where this one run ends the search (docs/results/cpu-2proc/issue22/replays/).
     # Where it fails, the bisection goes on as without it (bounds untouched): a sequence's runs are not
     # monotonic in the cap (runs_under), and another path can end at another cap.
-    if low < high and runs(requests, low * granularity, **settings):
+    if low < high and runs(requests, low * granularity, uncapped=free_run):
         return low * granularity
     while low < high:
         middle = (low + high) // 2
-        if runs(requests, middle * granularity, **settings):
+        if runs(requests, middle * granularity, uncapped=free_run):
             high = middle
         else:
             low = middle + 1
@@ -681,7 +781,7 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
             reserved[key] = max(run.reserved_peak for run in uncapped[key].values())
             if try_cap is not None:  # with the sequence in hand, not made again
                 out[key].setdefault("runs_under_cap", {})[name] = \
-                    reserved[key] <= try_cap or runs_under(requests, try_cap, options)
+                    reserved[key] <= try_cap or runs_under(requests, try_cap, options, uncapped[key])
         for key, order_runs in uncapped.items():
             out[key]["reserved_peak_bytes"][name] = reserved[key]
             out[key]["allocated_peak_bytes"][name] = max(run.allocated_peak for run in order_runs.values())
@@ -703,14 +803,16 @@ def neediest_needs(keys: list, sequence, alloc_conf: str | None = None, try_cap:
     return out
 
 
-def runs_under(requests: list, cap: int, settings: dict) -> bool:
+def runs_under(requests: list, cap: int, settings: dict, uncapped: dict | None = None) -> bool:
     """Whether the requests run under `cap` in every address order (address_orders) of `settings`.
     Not the same as `cap` being at least their smallest cap: a sequence's runs are not monotonic in the
     cap (the allocator frees its cached segments and retries only where a cap stops it, and a lower cap
     can stop it where freeing leaves less fragmented memory), and a bisection can stop below a window
     of caps under which it runs out of memory (tests/test_allocator_model.py). A cap at least what they
-    reserve with no cap never stops them (neediest_needs replays only below it)."""
-    return all(runs(requests, cap, addresses=order, **settings) for order in address_orders(settings))
+    reserve with no cap never stops them (neediest_needs replays only below it). `uncapped`: per order,
+    their run without a cap, where the caller has them (runs)."""
+    return all(runs(requests, cap, addresses=order, **settings) if uncapped is None else
+               runs(requests, cap, uncapped=uncapped[order]) for order in address_orders(settings))
 
 
 def address_orders(settings: dict) -> tuple[str, ...]:
@@ -727,7 +829,7 @@ def cap_over_orders(requests: list, *, granularity: int = SMALL_BUFFER, uncapped
                             for order in address_orders(settings)}
     cap = 0
     for order, run in uncapped.items():
-        if cap and runs(requests, cap, addresses=order, **settings):
+        if cap and runs(requests, cap, uncapped=run):
             continue
         cap = max(cap, smallest_cap(requests, uncapped=run, granularity=granularity, addresses=order,
                                     hint=None if cap else hint, **settings))
