@@ -72,7 +72,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
         # In a pool, the peaks are traced while this process works out the layouts (seconds at 4096 ranks).
         # The registry's last strategies first: the sharded ones take the longest (FSDP2's last ranks traced
         # apart, ZeRO-3 traced whole: docs/performance.md), and a pool whose longest jobs start first ends
-        # sooner (Llama-2-70B at 512 ranks, 2 workers: 71.5 s in the registry's order, 66.8 s so).
+        # sooner: with 2 workers the last to start was FSDP2 (about 27 s alone on Llama-2-70B at 512 ranks).
         peaks = {name: executor.submit(predicted_peaks, name, model_config, settings, cuda_capability)
                  for name in reversed(strategies)} if traced else {}
         for name in strategies:
