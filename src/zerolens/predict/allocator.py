@@ -657,9 +657,11 @@ class CappedRuns:
     without a cap. Without a cap the allocator never gives memory back, and a capped run does what the
     uncapped one does, request for request, until a request would make or map memory past the cap (the
     check: reserved plus the segment the request would get, `demand_ceiling`); before that request, its
-    state is the uncapped run's. The caps of a search part late (on Llama-2-70B's shape, after 35 to 50%
-    of the requests; near the reserved peak, later still): each run begins at the state before the
-    request where it parts, kept from an earlier run (`states`), not at the first request."""
+    state is the uncapped run's. So each run begins at the state before the request where it parts,
+    kept from an earlier run (`states`), not at the first request. How much that saves depends on how
+    early a sequence reserves near its peak: the caps ZeRO-2's search tried on Llama-2-70B's shape parted
+    about 11% into its requests, gpt-1b's searches a quarter to three quarters in
+    (docs/results/cpu-2proc/issue22/second-step/)."""
 
     def __init__(self, uncapped: CachingAllocator):
         self.uncapped = uncapped
@@ -685,7 +687,6 @@ class CappedRuns:
             self.states[where] = reached, reached.live_blocks
         allocator, blocks = self.states[where][0].clone(self.states[where][1])
         return run_requests(requests, cap=cap, resume=(where, allocator, blocks))
-
 
 
 def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int = SMALL_BUFFER,

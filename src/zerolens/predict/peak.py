@@ -8,8 +8,8 @@ under a fake process group (fake_process_group: collectives that move nothing) a
 so no tensor has memory (a 70B model costs nothing), and torch's MemTracker follows every storage
 at the dispatch level, as zerolens's CPU measurement does, over three steps (STEPS; for a CUDA target
 the third is written from the second, and the second from the first, where their checks allow:
-predict/repeat.py). A training
-worker, which has a process group of its own, predicts in a fresh process (run/prediction.py).
+predict/repeat.py). A training worker, which has a process group of its own, predicts in a fresh
+process (run/prediction.py).
 
 On a CUDA target the cuBLAS workspaces are added (memory the allocator holds that is no tensor), and
 the allocations the trace sees, in order, go through the model of the caching allocator

@@ -25,9 +25,9 @@ its first written so (second_step_follows), a trace stops after one step, its se
 the first (second_step) and its third from that. The first step's new state is what it allocates and
 leaves live but for what the second frees: as many as the first step freed of the set-up, its last
 such allocations, one for one in allocation order with those (shape; on the presets and Hugging Face
-models, two small tensors that each step leaves for the next one's backward to free). Where a trace's own first step does not fit that, its second is traced. ZeRO-3 (whose first
-step records the order its prefetch follows from the second) and DDP fail the check and are traced
-whole. tests/test_repeat.py compares the steps written with the steps traced, request for request, for
+models, two small tensors that each step leaves for the next one's backward to free). Where a trace's
+own first step does not fit that, its second is traced. ZeRO-3 (whose first step records the order its
+prefetch follows from the second) and DDP fail the check and are traced whole. tests/test_repeat.py compares the steps written with the steps traced, request for request, for
 every strategy on the presets and Hugging Face models.
 """
 from __future__ import annotations
@@ -85,8 +85,7 @@ def shape(request: tuple) -> tuple:
 
 def second_step(requests: list, step_starts: list[int], raw: dict, inside: dict) -> list | None:
     """The requests of a trace's second step, written from its first (the module's rule), or None where
-    the first does not leave, of what it allocates, the micro-batch's counterparts of what it freed of
-    the set-up. `requests`, `raw`, `inside`: as repeated_step's; `step_starts`: where the first step's
+    the first does not leave, last of what it allocates, the counterparts of what it freed of the set-up. `requests`, `raw`, `inside`: as repeated_step's; `step_starts`: where the first step's
     requests begin and where the second's would."""
     setup, first = requests[:step_starts[-2]], requests[step_starts[-2]:step_starts[-1]]
     freed = {r[1] for r in first if r[0] in FREES}
