@@ -71,15 +71,21 @@ def test_zero2s_third_step_written_is_its_third_step_traced():
 @pytest.mark.parametrize("name", PREDICTED)
 @pytest.mark.parametrize("case", ["gpt-tiny-3-ranks-ckpt-fp16", "llama-tiny-accum-2", "gpt-tiny-1-rank"])
 def test_the_third_step_written_is_the_third_step_traced(name, case):
+    check_written_is_traced(name, *case_of(case))
+
+
+def case_of(case: str) -> tuple[ModelConfig, TrainSettings]:
+    """A case's model and settings."""
     if case == "gpt-tiny-3-ranks-ckpt-fp16":
-        model = dataclasses.replace(PRESETS["gpt-tiny"], activation_checkpointing=True)
-        settings = TrainSettings(precision="fp16", micro_batch=3, world_size=3)
-    elif case == "llama-tiny-accum-2":
-        model = ModelConfig(**model_config_fields("examples/hf/llama-tiny.json", depth=None, seq_len=64))
-        settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2, grad_accum=2)
-    else:
-        model, settings = PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=1)
-    check_written_is_traced(name, model, settings)
+        return (dataclasses.replace(PRESETS["gpt-tiny"], activation_checkpointing=True),
+                TrainSettings(precision="fp16", micro_batch=3, world_size=3))
+    if case == "llama-tiny-accum-2":
+        return (ModelConfig(**model_config_fields("examples/hf/llama-tiny.json", depth=None, seq_len=64)),
+                TrainSettings(precision="bf16", micro_batch=2, world_size=2, grad_accum=2))
+    if case == "mixtral-tiny":
+        return (ModelConfig(**model_config_fields("examples/hf/mixtral-tiny.json", depth=None, seq_len=64)),
+                TrainSettings(precision="bf16", micro_batch=2, world_size=2))
+    return PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=1)
 
 
 # Set-up: a weight (0) and the first micro-batch (1). The first step frees the micro-batch in its backward,
@@ -149,15 +155,7 @@ def test_a_full_trace_tells_later_traces_at_other_depths_and_micro_batches_to_wr
 @pytest.mark.parametrize("name", PREDICTED)
 @pytest.mark.parametrize("case", ["gpt-tiny-3-ranks-ckpt-fp16", "llama-tiny-accum-2", "mixtral-tiny"])
 def test_the_second_step_written_is_the_second_step_traced_where_a_full_trace_says_so(name, case):
-    if case == "gpt-tiny-3-ranks-ckpt-fp16":
-        model = dataclasses.replace(PRESETS["gpt-tiny"], activation_checkpointing=True)
-        settings = TrainSettings(precision="fp16", micro_batch=3, world_size=3)
-    elif case == "llama-tiny-accum-2":
-        model = ModelConfig(**model_config_fields("examples/hf/llama-tiny.json", depth=None, seq_len=64))
-        settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2, grad_accum=2)
-    else:
-        model = ModelConfig(**model_config_fields("examples/hf/mixtral-tiny.json", depth=None, seq_len=64))
-        settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
+    model, settings = case_of(case)
     brackets = name in ("zero1", "zero2")
     full = traced_rank(name, model, settings, cuda_capability=H200, brackets=brackets, outcome=False,
                        second_from_first=False)[1]

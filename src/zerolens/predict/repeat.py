@@ -57,24 +57,7 @@ def repeated_step(requests: list, step_starts: list[int], raw: dict, inside: dic
     carried_out = [i for i in made_second if i not in freed_second]
     if [shape(made_first[i]) for i in carried_in] != [shape(made_second[i]) for i in carried_out]:
         return None
-    successor = dict(zip(carried_in, carried_out))
-    fresh = 1 + max((r[1] for r in requests if r[0] in ALLOCS and isinstance(r[1], int)), default=-1)
-    out = []
-    for action, ident, size, stream in second:
-        if action == "phase":
-            out.append((action, (ident[0] + 1, ident[1]), size, stream))
-        elif action in ALLOCS:
-            successor[ident] = fresh
-            for table in (raw, inside):
-                if ident in table:
-                    table[fresh] = table[ident]
-            out.append((action, fresh, size, stream))
-            fresh += 1
-        elif action in FREES:
-            out.append((action, successor[ident], size, stream))
-        else:  # a step model's bracket marks: the same in every step
-            out.append((action, ident, size, stream))
-    return out
+    return written_again(second, dict(zip(carried_in, carried_out)), requests, raw, inside)
 
 
 def shape(request: tuple) -> tuple:
@@ -95,12 +78,18 @@ def second_step(requests: list, step_starts: list[int], raw: dict, inside: dict)
     if [shape(r) for r in carried_in] != [shape(r) for r in carried_out]:
         return None
     state = {r[1] for r in left[:len(left) - len(carried_in)]}  # made once: the second step has it
-    successor = {a[1]: b[1] for a, b in zip(carried_in, carried_out)}
+    return written_again([r for r in first if not (r[0] in ALLOCS and r[1] in state)],
+                         {a[1]: b[1] for a, b in zip(carried_in, carried_out)}, requests, raw, inside)
+
+
+def written_again(step: list, successor: dict, requests: list, raw: dict, inside: dict) -> list:
+    """A step's requests as the next step makes them: each phase one step later, each allocation with a
+    fresh id (after every id of `requests`; `raw` and `inside` get its entries), each free of what its
+    counterpart frees (`successor`: an id freed -> what the next step frees there, where that was made
+    before it), a step model's bracket marks as they are."""
     fresh = 1 + max((r[1] for r in requests if r[0] in ALLOCS and isinstance(r[1], int)), default=-1)
     out = []
-    for action, ident, size, stream in first:
-        if action in ALLOCS and ident in state:
-            continue
+    for action, ident, size, stream in step:
         if action == "phase":
             out.append((action, (ident[0] + 1, ident[1]), size, stream))
         elif action in ALLOCS:
