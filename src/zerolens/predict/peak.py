@@ -476,12 +476,18 @@ def numbered_in_order(requests: list, raw: dict, inside: dict) -> None:
         table.update(renumbered)
 
 
+def counted_by_step(requests: list, step_starts: list[int]) -> tuple[dict, int, int]:
+    """What the tracker counts of a trace's sequence (without the cuBLAS workspaces): the peak per (step,
+    phase), the total at its end, and the total where its second step begins (`step_starts[1]`)."""
+    peaks, end = sequence_peaks(without_workspaces(requests))
+    return peaks, end, sequence_peaks(without_workspaces(requests[:step_starts[1]]))[1]
+
+
 def beside_alike(requests: list, step_starts: list[int], traced: list[dict], held_after_first: int,
                  held: int) -> bool:
     """Whether the tracker counted as much beside the sequence in a trace's second step as in its first, in
     each phase and after it: what steps_written_from_first takes of the first for the steps it writes."""
-    peaks, end = sequence_peaks(without_workspaces(requests))
-    end_of_first = sequence_peaks(without_workspaces(requests[:step_starts[1]]))[1]
+    peaks, end, end_of_first = counted_by_step(requests, step_starts)
     return held - end == held_after_first - end_of_first and \
         all(traced[1][phase] - peaks[(1, phase)] == traced[0][phase] - peaks[(0, phase)] for phase in PHASES)
 
@@ -490,8 +496,7 @@ def steps_written_from_first(requests: list, step_starts: list[int], traced: lis
     """For a trace whose later steps were written from its one traced step: each written step's peak per
     phase (`traced[1:]`, filled in) and what the tracker would hold after the last, each the sequence's
     own plus what the tracker counted beside it in the first step (`held`: what it held after that one)."""
-    peaks, end = sequence_peaks(without_workspaces(requests))
-    end_of_first = sequence_peaks(without_workspaces(requests[:step_starts[1]]))[1]
+    peaks, end, end_of_first = counted_by_step(requests, step_starts)
     for step in range(1, len(traced)):
         traced[step] = {phase: peaks[(step, phase)] + traced[0][phase] - peaks[(0, phase)] for phase in PHASES}
     return end + held - end_of_first
