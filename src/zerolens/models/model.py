@@ -215,9 +215,33 @@ def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class Built:
+    """What zerolens reads of a model's make-up, from one copy built on the meta device (model_built)."""
+    shapes: tuple[torch.Size, ...]  # its parameters', in parameters() order (a tied weight once)
+    trainable: tuple[bool, ...]  # requires_grad of each
+    weight_bytes: int | None  # weight_bytes_of
+    compiled: bool  # compiled_of
+
+
+@functools.lru_cache(maxsize=64)
+def built_from(key: str, config: ModelConfig) -> Built:
+    model = meta_model(config)
+    return Built(tuple(p.shape for p in model.parameters()), tuple(p.requires_grad for p in model.parameters()),
+                 weight_bytes_of(model), compiled_of(model))
+
+
+def model_built(config: ModelConfig) -> Built:
+    """The model's make-up, built once per configuration in a process: a Hugging Face Llama-2-70B takes
+    about a second to build even on the meta device, and each strategy's prediction asked for it three
+    times (estimate, 512 ranks: 8 s of its 143 s of processor time). Keyed by repr: a Hugging Face
+    model's configuration holds dicts, which do not hash."""
+    return built_from(repr(config), config)
+
+
 def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
     """The shapes of the model's parameters, from a copy built on the meta device."""
-    return [p.shape for p in meta_model(config).parameters()]
+    return list(model_built(config).shapes)
 
 
 MIXED_WEIGHTS = ("--model {model}: the model's parameters mix dtypes; zerolens predicts models whose weights share "
@@ -227,7 +251,7 @@ MIXED_WEIGHTS = ("--model {model}: the model's parameters mix dtypes; zerolens p
 def weight_bytes(config: ModelConfig) -> int | None:
     """The bytes per element of the model's weights as built: 4 for fp32, 2 for a model built in
     bf16 or fp16 (which DDP and FSDP2 train as they are); None where its parameters mix dtypes."""
-    return weight_bytes_of(meta_model(config))
+    return model_built(config).weight_bytes
 
 
 def weight_bytes_of(model: nn.Module) -> int | None:
@@ -239,17 +263,20 @@ def weight_bytes_of(model: nn.Module) -> int | None:
 def compiled(config: ModelConfig) -> bool:
     """Whether the model is compiled, by --compile or by the user's own factory (torch.compile of the
     model or of a part, or a module's .compile())."""
-    if config.compile_blocks:
-        return True
+    return config.compile_blocks or model_built(config).compiled
+
+
+def compiled_of(model: nn.Module) -> bool:
+    """Whether a model built is compiled, whole or in part."""
     from torch._dynamo.eval_frame import OptimizedModule
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-               for m in meta_model(config).modules())
+               for m in model.modules())
 
 
 def trainable_flags(config: ModelConfig) -> list[bool]:
     """Which of the model's parameters train (requires_grad), in parameters() order: a frozen
     embedding or a LoRA base does not."""
-    return [p.requires_grad for p in meta_model(config).parameters()]
+    return list(model_built(config).trainable)
 
 
 def load_user_function(spec: str):

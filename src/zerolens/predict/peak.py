@@ -42,7 +42,7 @@ from zerolens.models.model import (
 )
 from zerolens.predict.allocator import allocator_needs, neediest_needs
 from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
-from zerolens.predict.repeat import repeated_step, second_step, second_step_follows
+from zerolens.predict.repeat import CARRIED, repeated_step, second_step, second_step_follows
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -323,11 +323,14 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     second passes predict/repeat.py's check (`repeated_steps`: 1), not traced; and its second from its
     first (`second_step_written`) where `second_from_first` is True, or, where it is None, where a full
     trace of this strategy, model, settings and rank at another depth or micro-batch in this process
-    showed that second step to be its first written again (SECOND_STEP_FOLLOWS)."""
+    showed that second step to be its first written again (SECOND_STEP_FOLLOWS), under the rule for the
+    set-up's storages the first step frees that the full trace showed (repeat.second_step's
+    `setup_freed`; CARRIED where none did)."""
     follows_key = second_step_key(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
                                   trace_on=trace_on, brackets=brackets)
+    setup_freed = SECOND_STEP_FOLLOWS.get(follows_key)  # the rule a full trace showed, or None
     if second_from_first is None:
-        second_from_first = SECOND_STEP_FOLLOWS.get(follows_key, False)
+        second_from_first = setup_freed is not None
     second_from_first = second_from_first and repeat and cuda_capability is not None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -396,7 +399,8 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             if step == 1:
                 held_after_first = tracker_total(tracker, "current")
                 # The second step, written from the first where a full trace showed it so (its peaks below)
-                written = second_step(requests, step_starts, raw, inside) if second_from_first else None
+                written = second_step(requests, step_starts, raw, inside, setup_freed or CARRIED) \
+                    if second_from_first else None
                 if written is not None:
                     requests.extend(written)
                     traced.append({})
@@ -431,8 +435,9 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     if written is not None:  # the tracker's figures beside the sequence, of its one traced step, for the others
         held = steps_written_from_first(requests, step_starts, traced, held)
     elif requests is not None and repeat and cuda_capability is not None and len(step_starts) >= 3:
-        SECOND_STEP_FOLLOWS[follows_key] = second_step_follows(requests, step_starts) \
-            and beside_alike(requests, step_starts, traced, held_after_first, held)
+        rule = second_step_follows(requests, step_starts)
+        SECOND_STEP_FOLLOWS[follows_key] = \
+            rule if rule and beside_alike(requests, step_starts, traced, held_after_first, held) else None
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
     record = {"requests": requests, "raw": raw, "inside": inside, "geometry": geometry,
               "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
@@ -446,8 +451,9 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
 
 # Per strategy, model at any depth, settings at any micro-batch, rank and way of tracing (second_step_key):
 # whether a full trace in this process showed its second step to be its first written again
-# (predict/repeat.py), so that later traces of it stop after one step (traced_rank's `second_from_first`).
-SECOND_STEP_FOLLOWS: dict[str, bool] = {}
+# (predict/repeat.py), so that later traces of it stop after one step (traced_rank's `second_from_first`):
+# under which rule for the set-up's storages the first step frees (repeat.SETUP_FREED), or None.
+SECOND_STEP_FOLLOWS: dict[str, str | None] = {}
 
 
 def second_step_key(name: str, model_config: ModelConfig, settings: TrainSettings, **trace) -> str:

@@ -25,8 +25,12 @@ its first written so (second_step_follows), a trace stops after one step, its se
 the first (second_step) and its third from that. The first step's new state is what it allocates and
 leaves live but for what the second frees: as many as the first step freed of the set-up, its last
 such allocations, one for one in allocation order with those (shape; on the presets and Hugging Face
-models, two small tensors that each step leaves for the next one's backward to free). Where a trace's
-own first step does not fit that, its second is traced. ZeRO-3 (whose first step records the order its
+models, two small tensors that each step leaves for the next one's backward to free: CARRIED); or,
+where the full trace showed it so, the set-up's storages the first step freed were freed once, with
+nothing left for the second to free in their place (ONCE: FSDP2's ranks whose shards are padded, the
+last ones where a dim 0 does not divide by N, swap their padded shards of the embedding and head for
+unpadded ones at the first forward). Where a trace's own first step does not fit the rule, its second
+is traced. ZeRO-3 (whose first step records the order its
 prefetch follows from the second) and DDP fail the check and are traced whole. tests/test_repeat.py compares the steps written with the steps traced, request for request, for
 every strategy on the presets and Hugging Face models.
 """
@@ -66,19 +70,30 @@ def shape(request: tuple) -> tuple:
     return action, size, stream
 
 
-def second_step(requests: list, step_starts: list[int], raw: dict, inside: dict) -> list | None:
+# What becomes of the set-up's storages that a first step frees (second_step's `setup_freed`):
+CARRIED = "carried"  # the first step leaves, last of what it allocates, their like for the second to free
+ONCE = "once"  # freed once: the second step frees nothing in their place
+SETUP_FREED = (CARRIED, ONCE)
+
+
+def second_step(requests: list, step_starts: list[int], raw: dict, inside: dict,
+                setup_freed: str = CARRIED) -> list | None:
     """The requests of a trace's second step, written from its first (the module's rule), or None where
-    the first does not leave, last of what it allocates, the counterparts of what it freed of the set-up. `requests`, `raw`, `inside`: as repeated_step's; `step_starts`: where the first step's
-    requests begin and where the second's would."""
+    the first does not fit the rule: with `setup_freed` CARRIED, where it does not leave, last of what it
+    allocates, the counterparts of what it freed of the set-up; with ONCE, never (what it leaves is all
+    state, and its frees of the set-up are not made again). `requests`, `raw`, `inside`: as
+    repeated_step's; `step_starts`: where the first step's requests begin and where the second's would."""
     setup, first = requests[:step_starts[-2]], requests[step_starts[-2]:step_starts[-1]]
     freed = {r[1] for r in first if r[0] in FREES}
-    carried_in = [r for r in setup if r[0] in ALLOCS and r[1] in freed]
+    carried_in = [r for r in setup if r[0] in ALLOCS and r[1] in freed] if setup_freed == CARRIED else []
     left = [r for r in first if r[0] in ALLOCS and r[1] not in freed]
     carried_out = left[len(left) - len(carried_in):]
     if [shape(r) for r in carried_in] != [shape(r) for r in carried_out]:
         return None
     state = {r[1] for r in left[:len(left) - len(carried_in)]}  # made once: the second step has it
-    return written_again([r for r in first if not (r[0] in ALLOCS and r[1] in state)],
+    freed_once = {r[1] for r in setup if r[0] in ALLOCS} if setup_freed == ONCE else set()
+    return written_again([r for r in first if not (r[0] in ALLOCS and r[1] in state)
+                          and not (r[0] in FREES and r[1] in freed_once)],
                          {a[1]: b[1] for a, b in zip(carried_in, carried_out)}, requests, raw, inside)
 
 
@@ -106,14 +121,18 @@ def written_again(step: list, successor: dict, requests: list, raw: dict, inside
     return out
 
 
-def second_step_follows(requests: list, step_starts: list[int]) -> bool:
-    """Whether a trace's traced second step is its first written again (second_step): `step_starts`,
-    where each traced step began, and where the third would."""
+def second_step_follows(requests: list, step_starts: list[int]) -> str | None:
+    """Of SETUP_FREED, the first under which a trace's traced second step is its first written again
+    (second_step), or None where under none: `step_starts`, where each traced step began, and where
+    the third would."""
     if len(step_starts) < 3:
-        return False
-    written = second_step(requests[:step_starts[1]], step_starts[:2], {}, {})
-    return written is not None and alike(written, requests[step_starts[1]:step_starts[2]],
-                                         known={r[1]: r[1] for r in requests[:step_starts[1]] if r[0] in ALLOCS})
+        return None
+    known = {r[1]: r[1] for r in requests[:step_starts[1]] if r[0] in ALLOCS}
+    for setup_freed in SETUP_FREED:
+        written = second_step(requests[:step_starts[1]], step_starts[:2], {}, {}, setup_freed)
+        if written is not None and alike(written, requests[step_starts[1]:step_starts[2]], known=known):
+            return setup_freed
+    return None
 
 
 def alike(written: list, traced: list, known: dict | None = None) -> bool:
