@@ -6,8 +6,8 @@ import json
 import pytest
 
 from zerolens.models.hf import model_config_fields
-from zerolens.models.model import PRESETS, ModelConfig
-from zerolens.predict import depths
+from zerolens.models.model import PRESETS, ModelConfig, gpt
+from zerolens.predict import depths, peak
 from zerolens.predict.peak import rank_outcome, traced_rank
 from zerolens.strategies import TrainSettings, registry
 
@@ -85,6 +85,49 @@ def test_a_rank_holding_no_rows_of_the_embedding_is_scaled_from_alignments_found
     assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
 
 
+def test_runs_moved_to_the_start_fall_at_the_same_place_at_every_depth():
+    # Each block allocates two parameters alike, between an embedding's and a head's: one more block's
+    # pair can be inserted after any block, and leftmost_inserted_runs puts it after the embedding.
+    def blocks(n):
+        return ([("alloc", 0, 4096, 4096, None)] + [("alloc", 0, 512, 512, None), ("alloc", 0, 1024, 1024, None)] * n
+                + [("alloc", 0, 2048, 2048, None)])
+    for depth in (2, 3, 4):
+        out, why = depths.leftmost_inserted_runs(blocks(depth), blocks(depth + 1))
+        assert why is None
+        assert [(e[1], e[2]) for e in out if e[0] == "insert"] == [(1, 1)]
+    shape, why = depths.structure(blocks(2), blocks(3), blocks(4), depths.leftmost_inserted_runs)
+    assert why is None
+    lines = depths.fit_counts(shape, blocks(4), blocks(5))
+    assert depths.extended_by_counts(shape, 9 - 3, lines) == depths.decode(blocks(9))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, width, ranks, moved", [("fsdp2-grad", 1024, 8, "leftmost_inserted_runs"),
+                                                       ("fsdp2", 512, 8, "rightmost_inserted_runs")])
+def test_blocks_whose_runs_difflib_places_differently_are_scaled_from_runs_moved(monkeypatch, name, width, ranks,
+                                                                                 moved):
+    # GPT blocks allocate their parameters alike at set-up: aligned from the start or from the end, one
+    # more block's falls after the second block from 2 to 3 blocks and elsewhere from 3 to 4 (gpt-1b's
+    # as well). Which place of those that make the same sequence gives each free's count on a line
+    # depends on the strategy and the width: at these, FSDP2-grad's runs moved to the start, FSDP2's
+    # moved to the end, and only so (gpt-1b's alike).
+    model = gpt(width, 2, 4, vocab_size=512, seq_len=64)
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=ranks)
+    records = shallow_records(name, model, settings)
+    seq = {d: depths.tokens(records[d]["requests"], records[d]["raw"]) for d in (2, 3, 4)}
+    assert all(depths.structure(seq[2], seq[3], seq[4], align)[0] is None
+               for align in (depths.inserted_runs, depths.inserted_runs_from_the_end))
+    record, why = depths.deepened(records, 9)
+    assert why is None
+    traced = traced_rank(name, dataclasses.replace(model, num_layers=9), settings, cuda_capability=H200)[1]
+    assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
+    assert record["phase_peaks"] == traced["phase_peaks"] and record["held"] == traced["held"]
+    assert rank_outcome(record) == rank_outcome(traced)
+    # Without the alignment that moves runs so, not scaled
+    monkeypatch.setattr(depths, "ALIGNMENTS", tuple(a for a in depths.ALIGNMENTS if a.__name__ != moved))
+    assert depths.deepened(records, 9)[0] is None
+
+
 @pytest.mark.slow
 def test_a_model_whose_blocks_do_not_repeat_alike_is_not_scaled():
     # gpt-tiny under DDP: one bucket holds every block's gradients, so one more block changes it
@@ -94,6 +137,7 @@ def test_a_model_whose_blocks_do_not_repeat_alike_is_not_scaled():
 
 
 def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
+    monkeypatch.setattr(peak, "SECOND_STEP_FOLLOWS", {})  # no verdict from other tests' traces
     asked = []
 
     def inner(name, model_config, settings, **options):
@@ -111,6 +155,13 @@ def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
     # from its first (predict/repeat.py); not a shallower model, nor a CPU target
     assert asked == [(depths.TRACED_DEPTHS[0], True), (depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False),
                      (depths.SCALED_FROM, False)]
+    # Where a full trace in this process told already (at any depth and micro-batch), no shallow trace first
+    peak.SECOND_STEP_FOLLOWS[peak.second_step_key("zero2", deep, settings, rank=0, seed=0, cuda_capability=H200,
+                                                  trace_on=None, brackets=True)] = None
+    asked.clear()
+    scaling("zero2", dataclasses.replace(deep, num_layers=depths.SCALED_FROM + 5), settings, cuda_capability=H200,
+            brackets=True)
+    assert asked == [(depths.SCALED_FROM + 5, True)]
 
 
 def recording_inner(calls: list):
@@ -121,7 +172,8 @@ def recording_inner(calls: list):
     return inner
 
 
-def test_a_strategy_seen_never_to_repeat_per_block_is_traced_whole_at_once():
+def test_a_strategy_seen_never_to_repeat_per_block_is_traced_whole_at_once(monkeypatch):
+    monkeypatch.setattr(peak, "SECOND_STEP_FOLLOWS", {})
     settings = TrainSettings(precision="bf16", micro_batch=1, world_size=8)
     deep = llama_tiny(depths.SCALED_FROM)
     calls = []

@@ -8,6 +8,7 @@ from zerolens.commands import plan
 from zerolens.errors import UserError
 from zerolens.models.model import PRESETS
 from zerolens.predict.allocator import OUTSIDE_ALLOCATOR_MEASURED
+from zerolens.predict.micro_batches import MicroBatchScaling
 from zerolens.run.config import RunConfig
 from zerolens.units import GiB, MiB
 
@@ -106,15 +107,16 @@ def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypa
     calls = []
     real = plan.predicted_peak
     monkeypatch.setattr(plan, "predicted_peak", lambda c, cap, trace=None, memory=None: calls.append(
-        (c.model.num_layers, c.micro_batch, trace is None)) or real(c, cap, trace=trace, memory=memory))
+        (c.model.num_layers, c.micro_batch, isinstance(trace, MicroBatchScaling))) or real(c, cap, trace=trace,
+                                                                                            memory=memory))
     result = plan.plan(config, memory=memory, micro_batches=[1, 2], reduce_bucket_sizes=[config.reduce_bucket_size],
                        cuda_capability=(9, 0))
     deepest = result["deepest"]["strategies"]["ddp"]
     start = config.model.num_layers
     grid = next(r for r in result["fits"] + result["does_not_fit"] if r["micro_batch"] == 2 and not r["checkpointing"])
     assert deepest["traced"][str(start)] == grid["needs_bytes"]
-    assert (start, 2, True) not in calls and (start, 2, False) in calls  # the walk's, not the search's
-    assert (1, 2, True) in calls
+    assert (start, 2, False) not in calls and (start, 2, True) in calls  # the walk's, not the search's
+    assert (1, 2, False) in calls
 
 
 @pytest.mark.slow
@@ -214,3 +216,15 @@ def test_the_depth_search_finds_what_trying_every_depth_finds(need, memory, star
         assert start is None or start in tried
     if need(7) == 1000 + 37 * 7 and found < 64:
         assert len(tried) <= (4 if start and found < 16 * start else 5), tried
+
+
+@pytest.mark.slow
+def test_a_deep_trial_of_the_depth_search_is_scaled_from_shallow_traces_to_the_same_figures():
+    config = dataclasses.replace(tiny("fsdp2-grad"), micro_batch=2)
+    deep = plan.with_depth(config, 25)
+    memory = 4 * GiB
+    scaled = plan.depth_trial(deep, (9, 0), memory)
+    assert scaled["depth_scaled_from"] == [2, 3, 4, 5, 6]
+    whole = plan.predicted_peak(deep, (9, 0), memory=memory)
+    assert "depth_scaled_from" not in whole
+    assert {k: v for k, v in scaled.items() if k != "depth_scaled_from"} == whole

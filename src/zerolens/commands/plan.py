@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import shlex
@@ -89,7 +90,8 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=No
     memory less what the process holds outside the allocator (`runs_in_memory`, and with expandable
     segments `runs_in_memory_expandable`): runs are not monotonic in the cap (allocator.runs_under), so
     a need within the memory does not say it alone. `trace`: as peak.predict_or_why_not (`scaled_from`
-    says where a MicroBatchScaling scaled the trace from others)."""
+    says where a MicroBatchScaling scaled the trace from others, `depth_scaled_from` where a DepthScaling
+    scaled it from shallower models)."""
     from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes
     from zerolens.predict.peak import predicted_peaks
     registry.load_plugins()  # in a pool's fresh process too
@@ -116,7 +118,7 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=No
                                           for r in searched("expandable_segments")) + outside,
             "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
             **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")},
-            **({"scaled_from": peaks["scaled_from"]} if "scaled_from" in peaks else {}), **runs}
+            **{key: peaks[key] for key in ("scaled_from", "depth_scaled_from") if key in peaks}, **runs}
 
 
 def fits(peak: dict, memory: int) -> bool:
@@ -136,13 +138,15 @@ def with_depth(config: RunConfig, depth: int) -> RunConfig:
 def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, int], *, predict=None,
                   known=None, progress=None) -> dict:
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
-    strategy (deepest_fitting, from the config's own depth; `traced`: every depth predicted and its need).
+    strategy (deepest_fitting, from the config's own depth; `traced`: every depth predicted and its need;
+    `depth_scaled_from`: the depths whose trace was scaled from shallower ones (predict/depths.py), and from which).
     `predict(config, cuda_capability, memory)`: where each trial is predicted (predicted_peak, or a pool's
     worker); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
     else None; `progress(line)` hears of each trial. A depth whose need is within the memory but whose
     allocations run out of memory under the memory itself (predicted_peak's `runs_in_memory`) does not
     fit: the search takes its need as one byte more than the memory."""
     traced: dict[int, int] = {}
+    scaled: dict[int, list[int]] = {}  # a depth whose trace was scaled from shallower ones -> their depths
     why_not = []
     name = config.strategies[0]
 
@@ -153,18 +157,23 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
             why_not.append(predicted["why_not"])
             return None
         traced[depth] = predicted["needs_bytes"]
+        if "depth_scaled_from" in predicted:
+            scaled[depth] = predicted["depth_scaled_from"]
         fitting = fits(predicted, memory)
         if progress:
             progress(f"{name}: {depth} layer{'' if depth == 1 else 's'} need{'s' if depth == 1 else ''} "
                      f"{traced[depth] / GiB:.3f} GiB"
                      + ("" if fitting else ", more than the memory" if traced[depth] > memory
-                        else ", but run out of memory under the memory itself"))
+                        else ", but run out of memory under the memory itself")
+                     + (f" (scaled from traces of {min(scaled[depth])} to {max(scaled[depth])} layers)"
+                        if depth in scaled else ""))
         return traced[depth] if fitting else max(traced[depth], memory + 1)
 
     depth = deepest_fitting(need, memory, MAX_DEPTH, start=config.model.num_layers)
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
     return {"max_depth": depth, "params": params, "needs_bytes": traced.get(depth),
             "next_needs_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
+            "depth_scaled_from": {str(d): s for d, s in sorted(scaled.items())},
             **({"why_not": why_not[0]} if why_not else {})}
 
 
@@ -289,9 +298,24 @@ def deepest_of(config: RunConfig, name: str, memory: int, cuda_capability: tuple
             return None
         return dict(walks[element].result()).get(config.micro_batch)
     return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
-                         predict=lambda c, cap, memory: executor.submit(predicted_peak, c, cap, None, memory).result(),
+                         predict=lambda c, cap, memory: executor.submit(depth_trial, c, cap, memory).result(),
                          known=known,
                          progress=progress and (lambda line: progress(f"depth search, {line}")))
+
+
+@functools.cache
+def depth_scaling():
+    """This process's DepthScaling, which keeps the shallow traces it made for the depth search's later trials."""
+    from zerolens.predict.depths import DepthScaling
+    return DepthScaling()
+
+
+def depth_trial(config: RunConfig, cuda_capability: tuple[int, int], memory: int) -> dict:
+    """predicted_peak of one depth the depth search tries: a model of at least depths.SCALED_FROM blocks
+    scaled from shallow traces where its strategy's allocations repeat per block (predict/depths.py), the
+    shallow traces made once per process (gpt-1b at 8 ranks, FSDP2-grad: five traces of 2 to 6 blocks for
+    its trials at 28, 29 and 31)."""
+    return predicted_peak(config, cuda_capability, trace=depth_scaling(), memory=memory)
 
 
 def grid_rows(config: RunConfig, walks: dict, memory: int, params: int, progress) -> tuple[list, list, dict]:

@@ -11,20 +11,24 @@ Each request is written as a token that does not name its allocation: an allocat
 stream and bytes; a free by its allocation's place among those alive of its stream and bytes,
 counted from the newest and from the oldest (a block's backward frees its forward's activations
 while the earlier blocks' are alive: the newest of their size, at any depth). The traces at 2, 3 and
-4 blocks, aligned (difflib, on the tokens without what changes with depth), give the runs one more
-block inserts, where (a run of allocations followed by their frees is inserted straddling the two),
-and the bytes that grow; those at 4 and 5 give each free's count as a line in the depth and in the
-copy of its run; the trace at 6 checks the whole: every request, its bytes, its stream and the
-allocation each free frees, and the tracker's figures beside the sequence. Where any of it fails, the
-model is traced at its own depth. tests/test_depths.py checks scaled against traced.
+4 blocks, aligned (difflib, on the tokens without what changes with depth; from the start, from the
+end, or with each run moved to the first or the last place that makes the same sequence:
+ALIGNMENTS), give the runs one more block inserts, where (a run of allocations followed by their
+frees is inserted straddling the two), and the bytes that grow; those at 4 and 5 give each free's
+count as a line in the depth and in the copy of its run; the trace at 6 checks the whole: every
+request, its bytes, its stream and the allocation each free frees, and the tracker's figures beside
+the sequence. Where any of it fails, the model is traced at its own depth. tests/test_depths.py
+checks scaled against traced.
 
-Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies.
-Not: DeepSpeed's stages, whose flat buffers are cut in pieces that do not repeat per block (stage 0)
-and whose ZeRO-3 prefetch keeps a window of blocks alive (its frees' counts stop growing): the registry
-says so (StrategySpec.not_depth_scaled), and they are traced whole without trying; traces with
-brackets (ZeRO-1/2's splice: what each rank allocates inside them follows from the whole model's
-flat partition); CPU targets (no allocation sequence is recorded); a user's own model (kind "user":
-zerolens cannot build it at another depth); models below SCALED_FROM blocks.
+Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies;
+gpt-1b at 8 ranks, micro-batch 8: both FSDP2 strategies (DDP not: its buckets take a block's
+gradients in pieces that shift with depth). Not: DeepSpeed's stages, whose flat buffers are cut in
+pieces that do not repeat per block (stage 0) and whose ZeRO-3 prefetch keeps a window of blocks
+alive (its frees' counts stop growing): the registry says so (StrategySpec.not_depth_scaled), and
+they are traced whole without trying; traces with brackets (ZeRO-1/2's splice: what each rank
+allocates inside them follows from the whole model's flat partition); CPU targets (no allocation
+sequence is recorded); a user's own model (kind "user": zerolens cannot build it at another depth);
+models below SCALED_FROM blocks.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import difflib
 
 from zerolens.models.model import ModelConfig
 from zerolens.predict.micro_batches import figures, in_order, on_line, with_sequence
-from zerolens.predict.peak import rank_outcome, traced_rank
+from zerolens.predict.peak import rank_outcome, second_step_known, traced_rank
 from zerolens.strategies import TrainSettings, registry
 
 # The depths traced: the runs from the first three, each free's count from the third and fourth, checked on the fifth.
@@ -85,9 +89,11 @@ class DepthScaling:
                 if record is not None:
                     outcome = rank_outcome(record, options.get("try_cap"))
                     return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
-        if cuda_capability is not None and depth is not None and depth >= SCALED_FROM:
-            # Traced whole, after a shallow trace of its own: where that one's second step is its first
-            # written again, the deep trace's is written so, not traced (predict/repeat.py, second_step)
+        if cuda_capability is not None and depth is not None and depth >= SCALED_FROM and not second_step_known(
+                name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets, **options):
+            # Traced whole, after a shallow trace of its own (where no trace in this process has told yet):
+            # where that one's second step is its first written again, the deep trace's is written so, not
+            # traced (predict/repeat.py, second_step)
             self.shallow_record(name, dataclasses.replace(model_config, num_layers=TRACED_DEPTHS[0]), settings,
                                 cuda_capability=cuda_capability, brackets=brackets, **options)
         out, record = self.inner(name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets,
@@ -195,12 +201,12 @@ def inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None,
     return out, None
 
 
-def inserted_runs_from_the_end(first: list[tuple], second: list[tuple]) -> tuple[list | None, str | None]:
-    """inserted_runs of the two read backwards, turned forwards: where a run one block inserts begins
-    with what follows it (FSDP2's rank holding no rows of the embedding, Llama-2-70B's at 512 ranks: the
-    blocks' runs of frees begin as the final norm's), difflib's longest matches, found from the start,
-    cut it at different places at different depths; found from the end, they do not there."""
-    out, why = inserted_runs(first[::-1], second[::-1])
+def inserted_runs_from_the_end(first: list[tuple], second: list[tuple], align=None) -> tuple[list | None, str | None]:
+    """inserted_runs (or `align`) of the two read backwards, turned forwards: where a run one block
+    inserts begins with what follows it (FSDP2's rank holding no rows of the embedding, Llama-2-70B's at
+    512 ranks: the blocks' runs of frees begin as the final norm's), difflib's longest matches, found
+    from the start, cut it at different places at different depths; found from the end, they do not there."""
+    out, why = (align or inserted_runs)(first[::-1], second[::-1])
     if out is None:
         return None, why
     forwards = []
@@ -212,7 +218,36 @@ def inserted_runs_from_the_end(first: list[tuple], second: list[tuple]) -> tuple
     return forwards, None
 
 
-ALIGNMENTS = (inserted_runs, inserted_runs_from_the_end)
+def leftmost_inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None, str | None]:
+    """inserted_runs with each run moved as far towards the start as the sequence allows: where the
+    request before a run is as the run's last (by match_key), the run inserted one request earlier
+    makes the same sequence, and difflib, choosing between such places by its longest matches, took
+    different ones at different depths (gpt-1b's blocks allocate their twelve parameters alike at set-up:
+    one more block's inserted after the second block from 2 to 3 blocks and before the first from 3 to
+    4). Moved so, one more block's runs fall at the same places at every depth."""
+    out, why = inserted_runs(first, second)
+    if out is None:
+        return None, why
+    for k in range(len(out)):
+        while out[k][0] == "insert" and k > 0 and out[k - 1][0] == "pair" \
+                and match_key(out[k - 1][2]) == match_key(out[k][3][-1]):
+            (_, i1, j1, run), (_, x, y) = out[k], out[k - 1]
+            out[k - 1], out[k] = ("insert", i1 - 1, j1 - 1, [y] + list(run[:-1])), ("pair", x, run[-1])
+            k -= 1
+    return out, None
+
+
+def rightmost_inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None, str | None]:
+    """leftmost_inserted_runs read from the end: each run moved as far towards the end as the sequence
+    allows. gpt-1b under FSDP2 needs it: moved to the start, the first copy of a block's set-up frees,
+    of its alike buffers, another than the later copies do (its place among them is no line in the
+    copy); moved to the end, each copy frees as the one before it. FSDP2-grad's, moved to the end, is
+    what is not a line, and moved to the start is: each is tried (ALIGNMENTS)."""
+    return inserted_runs_from_the_end(first, second, leftmost_inserted_runs)
+
+
+# Tried in turn: the first whose structure the deepest trace confirms is used.
+ALIGNMENTS = (inserted_runs, inserted_runs_from_the_end, leftmost_inserted_runs, rightmost_inserted_runs)
 
 
 def structure(first: list[tuple], second: list[tuple], third: list[tuple],

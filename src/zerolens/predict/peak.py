@@ -462,6 +462,15 @@ def second_step_key(name: str, model_config: ModelConfig, settings: TrainSetting
                  sorted(trace.items())))
 
 
+def second_step_known(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
+                      cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None,
+                      brackets: bool = False, **_) -> bool:
+    """Whether a full trace in this process gave SECOND_STEP_FOLLOWS its verdict for a trace with these
+    arguments (traced_rank's), whichever it was."""
+    return second_step_key(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
+                           trace_on=trace_on, brackets=brackets) in SECOND_STEP_FOLLOWS
+
+
 def numbered_in_order(requests: list, raw: dict, inside: dict) -> None:
     """A trace's allocations numbered 0, 1, 2, ... in the order made, in place (`raw` and `inside`, keyed
     by them, too): the tracker's numbers skip those of sums made in place, which a step written from
