@@ -85,6 +85,20 @@ def test_a_rank_holding_no_rows_of_the_embedding_is_scaled_from_alignments_found
     assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
 
 
+def test_a_buffer_growing_by_bytes_off_the_rounding_is_rounded_from_its_bytes_on_the_line():
+    # 500 + 72 bytes a block: 1024 bytes rounded at 2 to 6 blocks, 1536 at 9 (ZeRO-3 has such a buffer)
+    def blocks(n):
+        grown = 500 + 72 * n
+        return ([("alloc", 0, -(-grown // 512) * 512, grown, None)] + [("alloc", 0, 512, 4, None)] * n
+                + [("free", 0, -(-grown // 512) * 512, (0, 0))])
+    shape, why = depths.structure(blocks(2), blocks(3), blocks(4))
+    assert why is None
+    lines = depths.fit_counts(shape, blocks(4), blocks(5))
+    assert depths.extended_by_counts(shape, 6 - 3, lines) == depths.decode(blocks(6))
+    extended = depths.extended_by_counts(shape, 9 - 3, lines)
+    assert extended == depths.decode(blocks(9)) and extended[0] == ("alloc", 0, 1536, 0)
+
+
 def test_runs_moved_to_the_start_fall_at_the_same_place_at_every_depth():
     # Each block allocates two parameters alike, between an embedding's and a head's: one more block's
     # pair can be inserted after any block, and leftmost_inserted_runs puts it after the embedding.

@@ -38,6 +38,7 @@ import difflib
 from zerolens.models.model import ModelConfig
 from zerolens.predict.micro_batches import figures, in_order, on_line, with_sequence
 from zerolens.predict.peak import rank_outcome, second_step_known, traced_rank
+from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings, registry
 
 # The depths traced: the runs from the first three, each free's count from the third and fourth, checked on the fifth.
@@ -320,15 +321,23 @@ def fit_counts(shape: Structure, one: list[tuple], two: list[tuple]) -> dict | N
 
 def extended_by_counts(shape: Structure, more: int, lines: dict) -> list[tuple] | None:
     """The requests at depth b + `more`, each free the allocation its count on its fitted line
-    (fit_counts) names; None where that is no live one."""
-    out = []
-    for token, slot in laid_out(shape, more):
+    (fit_counts) names; None where that is no live one. An allocation whose bytes before rounding are
+    known has them rounded as the tracker rounds them: on a line in the depth, they are; rounded, not
+    always (ZeRO-3's small buffer of 672 bytes at 9 blocks, 72 more per block, is 1024 bytes at 12 and
+    1536 at 20). Which allocation a free frees is counted among those of its bytes on the line."""
+    out, laid = [], laid_out(shape, more)
+    for token, slot in laid:
         if token[0] in FREES:
             first, per_block, per_copy = lines[slot[:1] + slot[2:]]
             copy = slot[1] if len(slot) > 1 else 0
             token = token[:3] + (("newest", first + (more - 1) * per_block + copy * per_copy),)
         out.append(token)
-    return decode(out)
+    requests = decode(out)
+    if requests is None:
+        return None
+    return [(action, ident, cuda_bytes(token[3]), stream) if action == "alloc" and token[3] is not None
+            and token[3] >= 0 else (action, ident, size, stream)
+            for (token, _), (action, ident, size, stream) in zip(laid, requests)]
 
 
 def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | None]:
