@@ -9,6 +9,7 @@ from zerolens.models.hf import model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig, gpt
 from zerolens.predict import depths, peak
 from zerolens.predict.peak import rank_outcome, traced_rank
+from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings, registry
 
 H200 = (9, 0)
@@ -89,8 +90,8 @@ def test_a_buffer_growing_by_bytes_off_the_rounding_is_rounded_from_its_bytes_on
     # 500 + 72 bytes a block: 1024 bytes rounded at 2 to 6 blocks, 1536 at 9 (ZeRO-3 has such a buffer)
     def blocks(n):
         grown = 500 + 72 * n
-        return ([("alloc", 0, -(-grown // 512) * 512, grown, None)] + [("alloc", 0, 512, 4, None)] * n
-                + [("free", 0, -(-grown // 512) * 512, (0, 0))])
+        return ([("alloc", 0, cuda_bytes(grown), grown, None)] + [("alloc", 0, 512, 4, None)] * n
+                + [("free", 0, cuda_bytes(grown), (0, 0))])
     shape, why = depths.structure(blocks(2), blocks(3), blocks(4))
     assert why is None
     lines = depths.fit_counts(shape, blocks(4), blocks(5))

@@ -202,12 +202,13 @@ def inserted_runs(first: list[tuple], second: list[tuple]) -> tuple[list | None,
     return out, None
 
 
-def inserted_runs_from_the_end(first: list[tuple], second: list[tuple], align=None) -> tuple[list | None, str | None]:
+def inserted_runs_from_the_end(first: list[tuple], second: list[tuple],
+                               align=inserted_runs) -> tuple[list | None, str | None]:
     """inserted_runs (or `align`) of the two read backwards, turned forwards: where a run one block
     inserts begins with what follows it (FSDP2's rank holding no rows of the embedding, Llama-2-70B's at
     512 ranks: the blocks' runs of frees begin as the final norm's), difflib's longest matches, found
     from the start, cut it at different places at different depths; found from the end, they do not there."""
-    out, why = (align or inserted_runs)(first[::-1], second[::-1])
+    out, why = align(first[::-1], second[::-1])
     if out is None:
         return None, why
     forwards = []
