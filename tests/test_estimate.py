@@ -1,5 +1,7 @@
 """`zerolens estimate`: the ZeRO paper's Figure 1, presets, user models, JSON, errors."""
 import json
+import multiprocessing
+import sys
 
 import pytest
 
@@ -133,11 +135,37 @@ def test_peak_flags_that_cannot_work_are_user_errors(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_strategies_predicted_in_parallel_processes_give_the_same_figures(capsys):
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_strategies_predicted_in_parallel_processes_give_the_same_figures(capsys, monkeypatch, start):
+    """Workers forked from this process (where it has no other thread and no CUDA) or fresh interpreters."""
+    from zerolens.commands import workers
+    if start not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {start} here")
+    monkeypatch.setattr(workers, "start_method", lambda: start)
     argv = ("--preset", "gpt-tiny", "--strategies", "ddp,zero2,fsdp2", "--nproc", "2", "--micro-batch", "2")
     alone = run_json(capsys, *argv, "--jobs", "1")
     together = run_json(capsys, *argv, "--jobs", "2")
     assert {k: v for k, v in together.items() if k != "seconds"} == {k: v for k, v in alone.items() if k != "seconds"}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers fork only on Linux")
+def test_workers_fork_only_from_a_process_without_other_threads_or_cuda(monkeypatch):
+    import threading
+
+    import torch
+
+    from zerolens.commands.workers import start_method
+    assert start_method() == "fork"
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert start_method() == "spawn"  # a thread's locks would be held, forever, in the child
+    finally:
+        release.set()
+        thread.join()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert start_method() == "spawn"  # a forked child cannot use its parent's CUDA context
 
 
 def test_where_the_peaks_were_traced_is_said(capsys):

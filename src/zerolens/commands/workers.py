@@ -1,5 +1,6 @@
-"""Processes that trace in parallel, for the commands that predict many traces (plan, estimate):
-a pool of fresh interpreters, ended at once when the command is interrupted."""
+"""Processes that trace in parallel, for the commands that predict many traces (plan, estimate): a pool
+of processes forked from this one where that is safe (else fresh interpreters), ended at once when the
+command is interrupted."""
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,23 @@ class Pool(ProcessPoolExecutor):
 
 
 def pool(jobs: int) -> Pool:
-    # spawn: a fresh interpreter for each worker, none inheriting this one's threads or torch state
-    return Pool(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker)
+    return Pool(max_workers=jobs, mp_context=multiprocessing.get_context(start_method()), initializer=start_worker)
+
+
+def start_method() -> str:
+    """How the pool's workers start: "fork" where no thread of Python's but this one runs and CUDA is not
+    initialised (a forked child inherits no thread and no usable CUDA context), so that they begin with
+    torch, transformers and zerolens imported as this process has them (the Llama-2-70B estimate's two
+    workers each spent about 9 s importing them: docs/performance.md); else "spawn", a fresh interpreter
+    for each worker. The native thread pools that importing torch starts (OpenMP's, OpenBLAS's) are
+    remade in a forked child by their own fork handlers, as for torch's DataLoader workers, which fork
+    from such processes by default."""
+    import sys
+    import threading
+    if sys.platform != "linux" or threading.active_count() != 1:
+        return "spawn"
+    torch = sys.modules.get("torch")
+    return "spawn" if torch is not None and torch.cuda.is_initialized() else "fork"
 
 
 def start_worker() -> None:

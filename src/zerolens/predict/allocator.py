@@ -243,22 +243,32 @@ class CachingAllocator:
 
     # --- malloc --------------------------------------------------------------------------------------
     def malloc(self, requested: int, stream: int = 0) -> Block:
-        size = round_size(requested, self.roundup_divisions)
+        # The hot path of every replay (a 70B model's run makes about 80,000 of these, and a search for
+        # its smallest cap a dozen runs): the default rounding and the pool's insert written out here.
+        if self.roundup_divisions:
+            size = round_size(requested, self.roundup_divisions)
+        else:
+            size = MIN_BLOCK_SIZE if requested < MIN_BLOCK_SIZE else MIN_BLOCK_SIZE * -(-requested // MIN_BLOCK_SIZE)
         small = size <= SMALL_SIZE
         pool = self.small_pool if small else self.large_pool
         block = self._free_block(pool, size, stream)
         if block is None:
             block = self._alloc_block(pool, size, stream, small)
-        if self._should_split(block, size):
-            rest = Block(block.address + size, block.size - size, stream, small, block.segment,
-                         prev=block, next=block.next)
+        remaining = block.size - size
+        # should_split: the rest is worth keeping (the module's docstring)
+        if (remaining >= MIN_BLOCK_SIZE if block.small or self.expandable
+                else size < self.max_split_size and remaining > SMALL_SIZE):
+            rest = Block(block.address + size, remaining, stream, small, block.segment, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
-            pool.insert(rest)
+            key = (stream, remaining, rest.address)  # pool.insert(rest)
+            bisect.insort(pool.keys, key)
+            pool.blocks[key] = rest
         block.allocated = True
         self.allocated += block.size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
         if self.phase is not None and self.allocated > self.phase_peaks[self.phase]:
             self.phase_peaks[self.phase] = self.allocated
         return block
@@ -323,12 +333,6 @@ class CachingAllocator:
     def _reserve(self, size: int) -> None:
         self.reserved += size
         self.reserved_peak = max(self.reserved_peak, self.reserved)
-
-    def _should_split(self, block: Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.small or self.expandable:
-            return remaining >= MIN_BLOCK_SIZE
-        return size < self.max_split_size and remaining > SMALL_SIZE
 
     # --- expandable segments -------------------------------------------------------------------------
     def _expand(self, pool: Pool, size: int, stream: int, small: bool) -> Block:
@@ -422,7 +426,9 @@ class CachingAllocator:
         self.allocated -= block.size
         pool = self.small_pool if block.small else self.large_pool
         self._merge_free_neighbours(pool, block)
-        pool.insert(block)
+        key = (block.stream, block.size, block.address)  # pool.insert(block), on malloc's hot path too
+        bisect.insort(pool.keys, key)
+        pool.blocks[key] = block
 
     def _merge_free_neighbours(self, pool: Pool, block: Block) -> None:
         """try_merge_blocks with each neighbour: only free, mapped ones, taken out of the pool."""
