@@ -451,6 +451,24 @@ def test_zero12s_one_trace_spliced_for_every_rank_is_each_ranks_own_trace(name, 
     assert predict_or_why_not(name, PRESETS[preset], settings, cuda_capability=cuda, trace_on="cpu")["ranks"] == own
 
 
+def test_ranks_whose_requests_are_alike_make_the_same_requests_in_every_bracket():
+    """At many ranks most of ZeRO-1/2's slices lie inside one parameter: their requests' `alike` is the
+    same, and spliced_ranks walks the brackets once for them. Each rank's walk equals that of the first
+    rank alike, bracket for bracket (the content), and in every figure."""
+    from zerolens.predict.peak import cuda_bytes, rank_peaks, traced_rank, without_brackets
+    settings = TrainSettings(precision="bf16", world_size=64, micro_batch=2, reduce_bucket_size=20_000)
+    record = traced_rank("zero2", PRESETS["gpt-tiny"], settings, cuda_capability=(9, 0), brackets=True,
+                         outcome=False)[1]
+    base, _ = without_brackets(record["requests"])
+    first_alike = {}
+    for rank in range(settings.world_size):
+        own = record["step_model"].rank_requests(rank)
+        first = first_alike.setdefault(own.alike, rank)
+        assert rank_peaks(base, own, cuda_bytes) == \
+            rank_peaks(base, record["step_model"].rank_requests(first), cuda_bytes), f"rank {rank}"
+    assert 1 < len(first_alike) < settings.world_size / 2  # the test means something: ranks alike and not
+
+
 @pytest.mark.slow
 def test_the_allocator_model_replays_the_neediest_distinct_sequences_where_there_are_too_many(monkeypatch):
     """At thousands of ranks ZeRO-2's ranks make hundreds of distinct sequences, each a replay of seconds:

@@ -796,8 +796,16 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
         tracked_bytes = cuda_bytes
     base, base_end = without_brackets(requests)
     ranks, contents = [], []
+    walked = {}  # a rank's requests' `alike` -> its rank_peaks, for the ranks whose requests are the same
     for rank in range(settings.world_size):
-        peaks, live, content = rank_peaks(base, step_model.rank_requests(rank), tracked_bytes)
+        own = step_model.rank_requests(rank)
+        alike = getattr(own, "alike", None)
+        walk = walked.get(alike) if alike is not None else None
+        if walk is None:
+            walk = rank_peaks(base, own, tracked_bytes)
+            if alike is not None:
+                walked[alike] = walk
+        peaks, live, content = walk
         traced = [{phase: peaks[(step, phase)] + beside[(step, phase)] for phase in PHASES} for step in range(steps)]
         ranks.append(out | peaks_of(traced, record["held"] + base_end + live - template_end,
                                     out["cublas_workspace_bytes"]))

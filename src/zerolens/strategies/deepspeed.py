@@ -836,7 +836,10 @@ class DeepSpeedStepModel(Strategy):
     def rank_requests(self, rank: int):
         """What rank `rank` allocates and frees inside each `rank_own` bracket, as a function of the
         bracket's label and payload and a dict it keeps between brackets: a list of (action, name, bytes),
-        a name alive once at a time. The same statements as the brackets' own, sized for that rank."""
+        a name alive once at a time. The same statements as the brackets' own, sized for that rank. The
+        function's `alike` is what they follow from: ranks whose functions have equal ones make the same
+        requests (at thousands of ranks most slices lie inside one parameter, alike but for where:
+        peak.spliced_ranks walks the brackets once for them)."""
         from zerolens.strategies.layout import zero_rank_partition
         part = zero_rank_partition(self.numels, self.settings.world_size, rank)
         size = self.dtype.itemsize
@@ -902,4 +905,6 @@ class DeepSpeedStepModel(Strategy):
             if label == "grad-buffer-free":
                 return [("free", "grad-buffer", 0)] if state.pop("grad-buffer", False) else []
             raise ValueError(f"no bracket {label!r}")
+        requests.alike = (tuple(part.overlapping_params), tuple(pieces), part.grad_buffer_elements,
+                          part.padding_elements)
         return requests
