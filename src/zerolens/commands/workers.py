@@ -28,8 +28,9 @@ def pool(jobs: int) -> Pool:
 def start_method() -> str:
     """How the pool's workers start: "fork" where no thread of Python's but this one runs and CUDA is not
     initialised (a forked child inherits no thread and no usable CUDA context), so that they begin with
-    torch, transformers and zerolens imported as this process has them (the Llama-2-70B estimate's two
-    workers each spent about 9 s importing them: docs/performance.md); else "spawn", a fresh interpreter
+    torch, transformers and zerolens imported as this process has them: spawned, the Llama-2-70B
+    estimate's two workers spent about 4.3 CPU-s each and 5.5-6.3 s of wall time before they could trace;
+    forked, 0.1 s (docs/results/cpu-2proc/issue22/forked-workers/). Else "spawn", a fresh interpreter
     for each worker. The native thread pools that importing torch starts (OpenMP's, OpenBLAS's) are
     remade in a forked child by their own fork handlers, as for torch's DataLoader workers, which fork
     from such processes by default."""
