@@ -1,6 +1,7 @@
 """`zerolens estimate`: the ZeRO paper's Figure 1, presets, user models, JSON, errors."""
 import json
 import multiprocessing
+import subprocess
 import sys
 
 import pytest
@@ -155,7 +156,9 @@ def test_workers_fork_only_from_a_process_without_other_threads_or_cuda(monkeypa
     import torch
 
     from zerolens.commands.workers import start_method
-    assert start_method() == "fork"
+    fresh = subprocess.run([sys.executable, "-c", "import torch; from zerolens.commands.workers import start_method; "
+                            "print(start_method())"], capture_output=True, text=True, timeout=120)
+    assert fresh.stdout.strip() == "fork", fresh.stderr  # a command's process, torch imported, nothing else
     release = threading.Event()
     thread = threading.Thread(target=release.wait)
     thread.start()
