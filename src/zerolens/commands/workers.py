@@ -7,6 +7,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
+import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 
 
@@ -34,8 +36,6 @@ def start_method() -> str:
     for each worker. The native thread pools that importing torch starts (OpenMP's, OpenBLAS's) are
     remade in a forked child by their own fork handlers, as for torch's DataLoader workers, which fork
     from such processes by default."""
-    import sys
-    import threading
     if sys.platform != "linux" or threading.active_count() != 1:
         return "spawn"
     torch = sys.modules.get("torch")

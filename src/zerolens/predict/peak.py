@@ -799,13 +799,10 @@ def spliced_ranks(name: str, model_config: ModelConfig, settings: TrainSettings,
     walked = {}  # a rank's requests' `alike` -> its rank_peaks, for the ranks whose requests are the same
     for rank in range(settings.world_size):
         own = step_model.rank_requests(rank)
-        alike = getattr(own, "alike", None)
-        walk = walked.get(alike) if alike is not None else None
-        if walk is None:
-            walk = rank_peaks(base, own, tracked_bytes)
-            if alike is not None:
-                walked[alike] = walk
-        peaks, live, content = walk
+        alike = getattr(own, "alike", None) or ("rank", rank)  # without one, each rank is its own
+        if alike not in walked:
+            walked[alike] = rank_peaks(base, own, tracked_bytes)
+        peaks, live, content = walked[alike]
         traced = [{phase: peaks[(step, phase)] + beside[(step, phase)] for phase in PHASES} for step in range(steps)]
         ranks.append(out | peaks_of(traced, record["held"] + base_end + live - template_end,
                                     out["cublas_workspace_bytes"]))
