@@ -20,26 +20,35 @@ request, its bytes, its stream and the allocation each free frees, and the track
 the sequence. Where any of it fails, the model is traced at its own depth. tests/test_depths.py
 checks scaled against traced.
 
+The check at 6 blocks cannot see what a strategy groups across more blocks than the traces hold: a
+bucket that takes 25 blocks' gradients is one bucket at every depth traced, and parts at a depth
+beyond them. The registry says, per strategy, where its groups across blocks part alike at every
+depth (StrategySpec.parts_across_blocks: DDP's buckets, ZeRO-3's prefetch and reuse windows, its
+live parameters, reduce bucket and optimizer sub-groups); elsewhere the model is traced whole.
+
 Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies;
-gpt-1b at 8 ranks, micro-batch 8: both FSDP2 strategies (DDP not: its buckets take a block's
-gradients in pieces that shift with depth). Not: DeepSpeed's stages, whose flat buffers are cut in
-pieces that do not repeat per block (stage 0) and whose ZeRO-3 prefetch keeps a window of blocks
-alive (its frees' counts stop growing): the registry says so (StrategySpec.not_depth_scaled), and
-they are traced whole without trying; traces with brackets (ZeRO-1/2's splice: what each rank
-allocates inside them follows from the whole model's flat partition); CPU targets (no allocation
-sequence is recorded); a user's own model (kind "user": zerolens cannot build it at another depth);
-models below SCALED_FROM blocks.
+Llama-2-70B's shape at 512 and 4096 ranks: ZeRO-3 too; gpt-1b at 8 ranks, micro-batch 8: both FSDP2
+strategies (DDP not: its buckets take a block's gradients in pieces that shift with depth; ZeRO-3
+not: parameters reused within its 1e9 elements are kept, 20 of its blocks). Not: DeepSpeed without
+ZeRO, whose flat buffers are cut in pieces that do not repeat per block: the registry says so
+(StrategySpec.not_depth_scaled), and it is traced whole without trying; traces with brackets
+(ZeRO-1/2's splice: what each rank allocates inside them follows from the whole model's flat
+partition); CPU targets (no allocation sequence is recorded); a user's own model (kind "user":
+zerolens cannot build it at another depth); models below SCALED_FROM blocks.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
+import math
 
-from zerolens.models.model import ModelConfig
+from zerolens.models.model import ModelConfig, model_built
 from zerolens.predict.micro_batches import figures, in_order, on_line, with_sequence
 from zerolens.predict.peak import rank_outcome, second_step_known, traced_rank
 from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings, registry
+from zerolens.strategies.base import Blocks
 
 # The depths traced: the runs from the first three, each free's count from the third and fourth, checked on the fifth.
 TRACED_DEPTHS = (2, 3, 4, 5, 6)
@@ -81,12 +90,17 @@ class DepthScaling:
         why = None
         if cuda_capability is not None and not brackets and depth is not None and depth >= SCALED_FROM:
             # A strategy seen never to repeat per block is traced whole at once (the registry says why)
-            why = registry.spec(name).not_depth_scaled
+            # Nor one whose groups across blocks may part otherwise at its depth (the registry says where)
+            spec = registry.spec(name)
+            blocks = blocks_of(model_config, settings)
+            why = spec.not_depth_scaled or spec.parted_across_blocks(blocks)
             if why is None:
                 records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
                                                   cuda_capability=cuda_capability, brackets=brackets, **options)
                            for d in TRACED_DEPTHS}
-                record, why = deepened(records, depth)
+                why = spec.parted_across_blocks(blocks, tuple(r["step_model"] for r in records.values()
+                                                              if r.get("step_model") is not None))
+                record, why = deepened(records, depth) if why is None else (None, why)
                 if record is not None:
                     outcome = rank_outcome(record, options.get("try_cap"))
                     return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
@@ -102,11 +116,28 @@ class DepthScaling:
         return (out | {"why_not_depth_scaled": why} if why else out), record
 
 
+def blocks_of(model_config: ModelConfig, settings: TrainSettings) -> Blocks:
+    """The model's blocks as a strategy is asked about them (StrategySpec.parts_across_blocks): one block's
+    parameters, those the model has at 3 blocks and not at 2, and the model's at its depth, those at 2
+    blocks and the rest of its blocks'."""
+    two, three = (model_built(dataclasses.replace(model_config, num_layers=d)) for d in (2, 3))
+    left = collections.Counter(zip(map(math.prod, two.shapes), two.trainable))
+    block = []
+    for param in zip(map(math.prod, three.shapes), three.trainable):
+        if left[param]:
+            left[param] -= 1
+        else:
+            block.append(param)
+    params = list(zip(map(math.prod, two.shapes), two.trainable)) + block * (model_config.num_layers - 2)
+    return Blocks(tuple(block), tuple(params), two.weight_bytes or 4, settings)
+
+
 def tokens(requests: list, raw: dict) -> list[tuple]:
     """A sequence's requests as tokens: ("alloc" | "kernel_alloc", stream, bytes, bytes before rounding
     or None, the id where it is a name (the cuBLAS workspaces), else None); ("free" | "kernel_free",
-    stream, bytes, (newest, oldest)): the freed allocation's place among those alive of its stream and
-    bytes, from the newest and from the oldest; a mark as it is."""
+    stream, bytes, (newest, oldest), its allocation's bytes before rounding or None): the freed
+    allocation's place among those alive of its stream and bytes, from the newest and from the oldest;
+    a mark as it is."""
     alive: dict[tuple[int, int], list] = {}
     key_of: dict = {}
     out = []
@@ -121,7 +152,7 @@ def tokens(requests: list, raw: dict) -> list[tuple]:
             same = alive[key]
             place = same.index(ident)
             same.pop(place)
-            out.append((action, stream, key[1], (len(same) - place, place)))
+            out.append((action, stream, key[1], (len(same) - place, place), raw.get(ident)))
         else:
             out.append(request)
     return out
@@ -296,10 +327,22 @@ def laid_out(shape: Structure, more: int) -> list[tuple[tuple, tuple]]:
         _, x, y = entry
         if y[0] in ALLOCS + FREES:  # bytes on their line (a free's are its allocation's)
             y = y[:2] + (x[2] + more * (y[2] - x[2]),) + y[3:]
-        if y[0] in ALLOCS and y[3] is not None:
-            y = y[:3] + (x[3] + more * (y[3] - x[3]),) + y[4:]
+        at = 3 if y[0] in ALLOCS else 4  # where it holds its (its allocation's) bytes before rounding
+        if y[0] in ALLOCS + FREES and y[at] is not None:
+            y = y[:at] + (x[at] + more * (y[at] - x[at]),) + y[at + 1:]
         out.append((y, (e,)))
     return out
+
+
+def rounded_as_traced(token: tuple) -> tuple:
+    """A laid-out allocation's or free's bytes rounded from its bytes before rounding, where it has them,
+    as the tracker rounds them: on a line in the depth, they are; rounded, not always. ZeRO-3's fp32
+    copy of Llama-2-70B's shards at 512 ranks grows by 3,342,400 bytes a block, rounded up by other bytes
+    at each depth: its rounded bytes are on no line, and only so does the trace at b + 2 match."""
+    at = {"alloc": 3, "free": 4}.get(token[0])
+    if at is None or token[at] is None or token[at] < 0:
+        return token
+    return token[:2] + (cuda_bytes(token[at]),) + token[3:]
 
 
 def fit_counts(shape: Structure, one: list[tuple], two: list[tuple]) -> dict | None:
@@ -310,7 +353,7 @@ def fit_counts(shape: Structure, one: list[tuple], two: list[tuple]) -> dict | N
     observed: dict[tuple, dict] = {}
     for more, seen in ((1, one), (2, two)):
         layout = laid_out(shape, more)
-        if [match_key(t) for t, _ in layout] != [match_key(t) for t in seen]:
+        if [match_key(rounded_as_traced(t)) for t, _ in layout] != [match_key(t) for t in seen]:
             return None
         for (token, slot), actual in zip(layout, seen):
             if token[0] in FREES:

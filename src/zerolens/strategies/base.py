@@ -59,6 +59,16 @@ class TrainSettings:
     compile_loss: bool = False
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A model of repeated blocks as depth scaling (predict/depths.py) asks a strategy about it: whether
+    what the strategy groups across blocks (buckets, prefetch windows) parts alike at every depth."""
+    block: tuple[tuple[int, bool], ...]  # one block's parameters: (elements, whether it trains)
+    params: tuple[tuple[int, bool], ...]  # the model's at its depth, the same
+    weight_bytes: int  # bytes of each element as the model is built, and of its gradient
+    settings: TrainSettings
+
+
 def engine_inputs(inputs: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A batch's inputs as DeepSpeed's users hand them to its engine: on the device, and floating
     ones in the dtype the engine runs the model in, which DeepSpeed does not cast them to (Hugging

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from zerolens.measure.census import Holdings
-from zerolens.strategies.base import DTYPES, Strategy, TrainSettings, engine_inputs
+from zerolens.strategies.base import DTYPES, Blocks, Strategy, TrainSettings, engine_inputs
 from zerolens.strategies.deepspeed import DeepSpeedZero, torch_adamw
 
 NOT_AVAILABLE, IN_FLIGHT, AVAILABLE = "not available", "in flight", "available"  # ZeroParamStatus
@@ -176,6 +176,48 @@ class InTrace:
     step_id_last_used_at: int
 
 
+def windows_across_blocks(blocks: Blocks, step_models: tuple = ()) -> str | None:
+    """Why ZeRO-3's windows and groups across blocks may part otherwise at the model's depth than at the
+    shallow depths traced (predict/depths.py), or None; with `step_models`, those of the shallow traces,
+    also what their coordinators saw. Its coordinator gathers ahead and keeps from release parameters
+    within limits counted in elements (prefetch_bucket_size, max_reuse_distance): a limit of at most two
+    blocks' parameters looks as far past any block as past the one before (the traces at 5 and 6 blocks
+    hold blocks beyond it on either side), one of at least the whole model's never binds; between the
+    two, the traces see the whole model inside a window that a deeper model outgrows. It prefetches no
+    more than max_live_parameters less those gathered, the persistent ones among them (small ones,
+    param_persistence_threshold), which grow with the depth: where that room, less the deeper model's
+    persistent parameters, would have prefetched fewer parameters in a shallow trace, the deeper model
+    may prefetch otherwise (Coordinator.least_slack); where it left none, or enough, as the traces did.
+    Its reduce bucket (reduce_bucket_size gradients' elements) and optimizer
+    sub-groups (sub_group_size elements of the rank's shards) close where they are full: they part
+    alike per block where a gradient (a shard) of each block fills one, or where the whole model's fit
+    in one."""
+    config = DeepSpeedStage3StepModel(blocks.settings, rank=0, cuda=False, stage=3).config
+    n = blocks.settings.world_size
+    block = sum(elements for elements, _ in blocks.block)
+    model = sum(elements for elements, _ in blocks.params)
+    for name in ("prefetch_bucket_size", "max_reuse_distance"):
+        limit = getattr(config, name)
+        if 2 * block < limit < model:
+            return (f"ZeRO-3's {name} ({limit:,} elements) spans more than two blocks' parameters ({block:,} "
+                    "elements each): what it gathers and keeps moves with the depth")
+    trained = [elements for elements, trains in blocks.block if trains]
+    model_trained = [elements for elements, trains in blocks.params if trains]
+    for name, size in (("reduce_bucket_size", lambda elements: elements),
+                       ("sub_group_size", lambda elements: -(-elements // n))):
+        limit = getattr(config, name)
+        if trained and sum(map(size, model_trained)) > limit and max(map(size, trained)) < limit:
+            return (f"ZeRO-3's {name} ({limit:,} elements) holds more than one block's: where it parts moves "
+                    "with the depth")
+    persistent = sum(elements for elements, _ in blocks.params if elements <= config.param_persistence_threshold)
+    for step_model in step_models:
+        slack = step_model.coordinator.least_slack
+        if slack is not None and slack <= persistent:
+            return (f"ZeRO-3's max_live_parameters ({config.max_live_parameters:,} elements) left room to prefetch "
+                    f"that the deeper model's persistent parameters ({persistent:,} elements) narrow")
+    return None
+
+
 class Coordinator:
     """DeepSpeed's PartitionedParameterCoordinator (partitioned_param_coordinator.py): fetching,
     prefetching and releasing parameters by module, over a trace of the modules recorded in the first
@@ -186,6 +228,9 @@ class Coordinator:
         self.world_size, self.rank = world_size, rank
         self.prefetch_bucket_size, self.max_live_parameters = prefetch_bucket_size, max_live_parameters
         self.max_reuse_distance = max_reuse_distance
+        # Where max_live_parameters left room to prefetch, the least by which that room could have been
+        # smaller and the same parameters prefetched (windows_across_blocks)
+        self.least_slack: int | None = None
         self.trace_mode = "invalid"  # ZeRoTraceMode: invalid -> record (first step) -> complete
         self.module_order: list[ModuleState] = []
         self.param_order: list[InTrace] = []
@@ -254,15 +299,19 @@ class Coordinator:
             if discarded != not_yet_fetched:
                 raise RuntimeError(f"ZeRO-3 step model: the trace expected other parameters at step {self.step_id}")
             if self.prefetch_bucket_size > 0:
-                limit = min(self.max_live_parameters - self.available_elements, self.prefetch_bucket_size)
-                to_prefetch, elements = set(), 0
+                room = self.max_live_parameters - self.available_elements
+                limit = min(room, self.prefetch_bucket_size)
+                to_prefetch, elements, before_last = set(), 0, 0
                 while self.queue and elements < limit:
                     entry = self.queue.popleft()
                     p = entry.param
                     if p.status == NOT_AVAILABLE and p not in to_prefetch:
                         to_prefetch.add(p)
-                        elements += p.numel
+                        before_last, elements = elements, elements + p.numel
                     self.most_recent_step_id_fetched_for[p] = max(self.fetched_for(p), entry.step_id_last_used_at)
+                if room > 0:  # any room above before_last prefetches these same parameters
+                    slack = room - before_last
+                    self.least_slack = slack if self.least_slack is None else min(self.least_slack, slack)
                 self.all_gather(to_prefetch)
         self.step_id += 1
 

@@ -69,6 +69,11 @@ class StrategySpec:
     # Why its allocations do not repeat alike per block, where they were seen not to on every model tried
     # (predict/depths.py then traces it at the model's depth without first tracing five shallow ones)
     not_depth_scaled: str | None = None
+    # "module:function" of (base.Blocks, the shallow traces' step models: none before they are traced) ->
+    # why what it groups across blocks (buckets, windows of gathered parameters) may part otherwise at
+    # the model's depth than at the five shallow depths traced, or None where it parts alike at every
+    # depth; None: it groups nothing across blocks (predict/depths.py)
+    parts_across_blocks: str | None = None
     # Why bench does not compile the GPT presets' blocks under it, where it cannot (bench's --compile)
     not_compiled: str | None = None
     # Its step checks bf16 gradients for inf and NaN as DeepSpeed's bf16.check_grad_overflow says (from
@@ -84,6 +89,14 @@ class StrategySpec:
         strategy = self.backend_class()(settings, **self.options)
         strategy.name = self.name
         return strategy
+
+    def parted_across_blocks(self, blocks, step_models: tuple = ()) -> str | None:
+        """parts_across_blocks of `blocks` (base.Blocks) and the step models of the shallow traces where
+        they were traced; None where it has none."""
+        if self.parts_across_blocks is None:
+            return None
+        module, _, function = self.parts_across_blocks.partition(":")
+        return getattr(importlib.import_module(module), function)(blocks, step_models)
 
     def step_model_class(self):
         """The class of the backend's step model (predict/peak.py); ValueError where there is none."""
@@ -210,6 +223,7 @@ FSDP2_CODE = ("/torch/distributed/fsdp/",)
 register(StrategySpec(
     name="ddp", backend=DDP, needs_deepspeed=False, paper_stage=0, shards_gradients=False, transient_code=DDP_CODE,
     step_model="zerolens.strategies.ddp:TorchDDPStepModel",
+    parts_across_blocks="zerolens.strategies.ddp:buckets_across_blocks",
     description="torch DistributedDataParallel: fp32 weights, autocast, gradient buckets beside the gradients",
     layout=torch_ddp_layout, unpadded=lambda psi, n, e: (4 * psi, 4 * psi, 8 * psi, 4 * psi),
     communication=lambda psi, n, e: 2 * ring(4 * psi, n)))  # all-reduce of the fp32 gradients
@@ -238,8 +252,7 @@ register(StrategySpec(
     shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True, transient_code=DEEPSPEED_CODE,
     step_model="zerolens.strategies.deepspeed_stage3:DeepSpeedStage3StepModel",
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
-    not_depth_scaled="ZeRO-3's prefetch keeps a window of blocks' parameters alive: its frees do not move alike "
-                     "with each block",
+    parts_across_blocks="zerolens.strategies.deepspeed_stage3:windows_across_blocks",
     not_compiled="not tried: DeepSpeed ZeRO-3 gathers each block's parameters in hooks around its forward, which "
                  "torch.compile of the block would have to trace; DeepSpeed compiles ZeRO-3 through its own "
                  "engine.compile(), which zerolens does not run",
