@@ -188,10 +188,9 @@ def windows_across_blocks(blocks: Blocks, step_models: tuple = ()) -> str | None
     param_persistence_threshold), which grow with the depth: where that room, less the deeper model's
     persistent parameters, would have prefetched fewer parameters in a shallow trace, the deeper model
     may prefetch otherwise (Coordinator.least_slack); where it left none, or enough, as the traces did.
-    Its reduce bucket (reduce_bucket_size gradients' elements) and optimizer
-    sub-groups (sub_group_size elements of the rank's shards) close where they are full: they part
-    alike per block where a gradient (a shard) of each block fills one, or where the whole model's fit
-    in one."""
+    Its reduce bucket (reduce_bucket_size gradients' elements) and optimizer sub-groups (sub_group_size
+    elements of the rank's shards) close where they are full: they part alike per block where a gradient
+    (a shard) of each block fills one, or where the whole model's fit in one."""
     config = DeepSpeedStage3StepModel(blocks.settings, rank=0, cuda=False, stage=3).config
     n = blocks.settings.world_size
     block = sum(elements for elements, _ in blocks.block)
