@@ -251,11 +251,15 @@ def test_zero3_windows_part_alike_per_block_within_two_blocks_or_past_the_whole_
     # gpt-1b's blocks (50M elements): parameters reused within 1e9 elements kept, 20 blocks of 24
     gpt_1b = depths.blocks_of(dataclasses.replace(PRESETS["gpt-1b"], num_layers=24), TrainSettings(precision="bf16"))
     assert "max_reuse_distance" in zero3.parted_across_blocks(gpt_1b)
-    # Blocks of 25M elements in a model of 600M: every window past the whole model, but none of their
-    # gradients fills a reduce bucket of 5e7
-    assert "reduce_bucket_size" in zero3.parted_across_blocks(model_blocks([(12_500_000, True)] * 2, 24))
-    # A model smaller than every limit: nothing parts, at any depth
+    # Blocks of 25M elements in a model of 300M: a prefetch bucket of two blocks, a reuse distance past the
+    # walk over the modules (three times the model), but none of their gradients fills a reduce bucket of 5e7
+    assert "reduce_bucket_size" in zero3.parted_across_blocks(model_blocks([(12_500_000, True)] * 2, 12))
+    # A model smaller than every limit: nothing parts, at any depth, where max_live_parameters holds the
+    # whole model twice over; where not, what is gathered at once moves with the depth
     assert zero3.parted_across_blocks(model_blocks([(10_000, True)] * 4, 40)) is None
+    live = {"zero_optimization": {"stage3_max_live_parameters": 1_000_000}}
+    assert "max_live_parameters" in zero3.parted_across_blocks(model_blocks([(10_000, True)] * 4, 40,
+                                                                            ds_override=live))
 
 
 def test_a_strategy_whose_groups_across_blocks_move_with_depth_is_traced_whole_at_once(monkeypatch):
@@ -273,30 +277,34 @@ def test_a_strategy_whose_groups_across_blocks_move_with_depth_is_traced_whole_a
 @pytest.mark.slow
 def test_zero3_within_two_blocks_is_scaled_equal_to_its_trace():
     pytest.importorskip("deepspeed")
-    # llama-tiny's blocks hold 181,504 elements: windows of up to two of them (its parameters, each below
-    # DeepSpeed's 1e5 elements, persist; with only the norms persistent, the traces at 2 to 4 blocks do
-    # not insert the same runs, and it is traced whole). Llama-2-70B's own: docs/results/cpu-2proc/issue22.
-    limits = {"stage3_prefetch_bucket_size": 100_000, "stage3_max_reuse_distance": 300_000}
+    # llama-tiny's blocks hold 181,504 elements: parameters reused within 300,000 kept, at most two blocks'
+    # (those of 20,000 elements or fewer persistent; no prefetch). Llama-2-70B's own at 512 and 4096
+    # ranks: docs/results/cpu-2proc/issue22/zero3-scaled/.
+    limits = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 300_000,
+              "stage3_param_persistence_threshold": 20_000}
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2, ds_override={"zero_optimization": limits})
     assert sum(elements for elements, _ in depths.blocks_of(llama_tiny(9), settings).block) == 181_504
     assert registry.spec("zero3").parted_across_blocks(depths.blocks_of(llama_tiny(30), settings)) is None
-    records = shallow_records("zero3", llama_tiny(2), settings)
-    assert registry.spec("zero3").parted_across_blocks(depths.blocks_of(llama_tiny(9), settings),
-                                                       tuple(r["step_model"] for r in records.values())) is None
-    record, why = depths.deepened(records, 9)
+    record, why = depths.deepened(shallow_records("zero3", llama_tiny(2), settings), 9)
     assert why is None
     traced = traced_rank("zero3", llama_tiny(9), settings, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
     assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
 
 
-@pytest.mark.slow
-def test_zero3_whose_live_parameters_bind_as_persistent_ones_grow_is_traced_whole():
-    pytest.importorskip("deepspeed")
-    # Every llama-tiny parameter persistent (DeepSpeed's default threshold, 1e5 elements): each block
-    # gathers 181,504 elements for good, and 300,000 live elements leave less room at each block
-    limits = {"stage3_prefetch_bucket_size": 100_000, "stage3_max_reuse_distance": 300_000,
-              "stage3_max_live_parameters": 300_000}
-    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2, ds_override={"zero_optimization": limits})
-    out, _ = depths.DepthScaling()("zero3", llama_tiny(depths.SCALED_FROM), settings, cuda_capability=H200)
-    assert "max_live_parameters" in out["why_not_depth_scaled"]
+def test_sizes_whose_lines_meet_at_the_models_depth_are_not_scaled():
+    # A buffer of 1000 bytes and 700 more a block, rounded to 512 (3584 bytes at 3 blocks, 4096 at 4: 512
+    # a block on its line), and one of 8704 bytes: their lines meet at 13 blocks, where a free's count,
+    # fitted among the allocations of its bytes, would name the other
+    def sequence(n):
+        grown = 1000 + 700 * n
+        requests = ([("alloc", 0, cuda_bytes(grown), 0), ("alloc", 1, 8704, 0)]
+                    + [("alloc", 2 + i, 512, 0) for i in range(n)]
+                    + [("free", 0, 0, 0), ("free", 1, 0, 0)] + [("free", 2 + i, 0, 0) for i in range(n)])
+        return depths.tokens(requests, {0: grown, 1: 8704} | {2 + i: 4 for i in range(n)})
+    shape, why = depths.structure(sequence(2), sequence(3), sequence(4))
+    assert why is None
+    lines = depths.fit_counts(shape, sequence(4), sequence(5))
+    assert depths.extended_by_counts(shape, 6 - 3, lines) == depths.decode(sequence(6))
+    assert depths.same_grouping(shape, sequence(4), sequence(5), 12 - 3)
+    assert not depths.same_grouping(shape, sequence(4), sequence(5), 13 - 3)

@@ -24,7 +24,9 @@ The check at 6 blocks cannot see what a strategy groups across more blocks than 
 bucket that takes 25 blocks' gradients is one bucket at every depth traced, and parts at a depth
 beyond them. The registry says, per strategy, where its groups across blocks part alike at every
 depth (StrategySpec.parts_across_blocks: DDP's buckets, ZeRO-3's prefetch and reuse windows, its
-live parameters, reduce bucket and optimizer sub-groups); elsewhere the model is traced whole.
+live parameters, reduce bucket and optimizer sub-groups); elsewhere the model is traced whole. And
+where two sizes that differ in the shallow traces meet at the model's depth (or part there), which
+allocation a free frees is not told by its count: the model is traced whole (same_grouping).
 
 Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies;
 Llama-2-70B's shape at 512 and 4096 ranks: ZeRO-3 too; gpt-1b at 8 ranks, micro-batch 8: both FSDP2
@@ -92,15 +94,12 @@ class DepthScaling:
             # A strategy seen never to repeat per block is traced whole at once (the registry says why)
             # Nor one whose groups across blocks may part otherwise at its depth (the registry says where)
             spec = registry.spec(name)
-            blocks = blocks_of(model_config, settings)
-            why = spec.not_depth_scaled or spec.parted_across_blocks(blocks)
+            why = spec.not_depth_scaled or spec.parted_across_blocks(blocks_of(model_config, settings))
             if why is None:
                 records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
                                                   cuda_capability=cuda_capability, brackets=brackets, **options)
                            for d in TRACED_DEPTHS}
-                why = spec.parted_across_blocks(blocks, tuple(r["step_model"] for r in records.values()
-                                                              if r.get("step_model") is not None))
-                record, why = deepened(records, depth) if why is None else (None, why)
+                record, why = deepened(records, depth)
                 if record is not None:
                     outcome = rank_outcome(record, options.get("try_cap"))
                     return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
@@ -345,6 +344,30 @@ def rounded_as_traced(token: tuple) -> tuple:
     return token[:2] + (cuda_bytes(token[at]),) + token[3:]
 
 
+def groups(laid: list[tuple[tuple, tuple]], sizes: list | None = None) -> set[frozenset]:
+    """The allocations of laid-out tokens (laid_out's) grouped by stream and bytes (`sizes`, one per
+    token, where given: a trace's own), each group as the slots it holds (a run's copies alike): those
+    among which a free's count is its allocation's place."""
+    out: dict[tuple, set] = {}
+    for i, (token, slot) in enumerate(laid):
+        if token[0] in ALLOCS:
+            out.setdefault((token[1], token[2] if sizes is None else sizes[i]), set()).add(slot[:1] + slot[2:])
+    return {frozenset(group) for group in out.values()}
+
+
+def same_grouping(shape: Structure, one: list[tuple], two: list[tuple], more: int) -> bool:
+    """Whether a free's count, fitted at b + 1 and b + 2 (`one`, `two`: their tokens) among the allocations
+    of its stream and bytes, counts among the same allocations at b + `more`, which decode pairs by the
+    bytes laid out on their lines: those lines group the allocations as the traces' own bytes do at b + 1
+    and b + 2, and as at b + 2 at b + `more`. Two sizes whose lines meet at the model's depth (a buffer
+    growing by 700 bytes a block from 1,000 bytes, and one of 8,704 bytes, at 11 blocks), or a size that
+    rounding took off its line at b + 1 and b + 2 (rounded_as_traced), would make a count name another
+    allocation there."""
+    laid = {m: laid_out(shape, m) for m in (1, 2)}
+    return (groups(laid[1]) == groups(laid[1], [t[2] for t in one])
+            and groups(laid[2]) == groups(laid[2], [t[2] for t in two]) == groups(laid_out(shape, more)))
+
+
 def fit_counts(shape: Structure, one: list[tuple], two: list[tuple]) -> dict | None:
     """Each free's count (its place from the newest among the live allocations of its stream and
     bytes) as a line in the blocks more than b and the copy of its run, from the tokens at b + 1
@@ -395,7 +418,9 @@ def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | N
         shape, why = structure(seq[a], seq[b], seq[c], align)
         lines = None if shape is None else fit_counts(shape, seq[c], seq[d])
         if shape is not None and lines is not None and extended_by_counts(shape, e - b, lines) == decode(seq[e]):
-            break
+            if same_grouping(shape, seq[c], seq[d], depth - b):
+                break
+            why = "two sizes the traces hold apart meet at the model's depth (or sizes they hold together part)"
         whys.append(why or f"the trace at depth {e} is not what those at {a} to {d} make of it")
     else:
         return None, whys[0]

@@ -260,7 +260,7 @@ def broadcast_module_states(module: nn.Module, device: torch.device) -> None:
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, 25 MiB (its documentation)
 
 
-def buckets_across_blocks(blocks: Blocks, step_models: tuple = ()) -> str | None:
+def buckets_across_blocks(blocks: Blocks) -> str | None:
     """Why DDP's gradient buckets may part otherwise at the model's depth than at the shallow depths
     traced (predict/depths.py), or None. A bucket takes gradients, as they become ready, until it holds
     DDP_BUCKET_CAP_BYTES (the first, 1 MiB); one gradient of that size closes it. Where each block has

@@ -176,30 +176,41 @@ class InTrace:
     step_id_last_used_at: int
 
 
-def windows_across_blocks(blocks: Blocks, step_models: tuple = ()) -> str | None:
+def windows_across_blocks(blocks: Blocks) -> str | None:
     """Why ZeRO-3's windows and groups across blocks may part otherwise at the model's depth than at the
-    shallow depths traced (predict/depths.py), or None; with `step_models`, those of the shallow traces,
-    also what their coordinators saw. Its coordinator gathers ahead and keeps from release parameters
-    within limits counted in elements (prefetch_bucket_size, max_reuse_distance): a limit of at most two
-    blocks' parameters looks as far past any block as past the one before (the traces at 5 and 6 blocks
-    hold blocks beyond it on either side), one of at least the whole model's never binds; between the
-    two, the traces see the whole model inside a window that a deeper model outgrows. It prefetches no
-    more than max_live_parameters less those gathered, the persistent ones among them (small ones,
-    param_persistence_threshold), which grow with the depth: where that room, less the deeper model's
-    persistent parameters, would have prefetched fewer parameters in a shallow trace, the deeper model
-    may prefetch otherwise (Coordinator.least_slack); where it left none, or enough, as the traces did.
-    Its reduce bucket (reduce_bucket_size gradients' elements) and optimizer sub-groups (sub_group_size
-    elements of the rank's shards) close where they are full: they part alike per block where a gradient
-    (a shard) of each block fills one, or where the whole model's fit in one."""
+    shallow depths traced (predict/depths.py), or None. Its coordinator gathers ahead up to
+    prefetch_bucket_size elements of parameters not gathered yet (persistent ones, small enough for
+    param_persistence_threshold, are gathered apart) and keeps from release those it uses again within
+    max_reuse_distance elements of its walk over the modules (forward, backward and a recomputed forward:
+    up to three times the model's). A window of at most two blocks' looks as far past any block as past
+    the one before (the traces at 5 and 6 blocks hold blocks beyond it on either side), and what is
+    gathered at once repeats per block, max_live_parameters included; one past the whole walk never
+    binds, but then gathers the whole model, which max_live_parameters must hold twice over not to cut
+    otherwise at another depth; between the two, the traces see the whole model inside a window that a
+    deeper model outgrows (DeepSpeed's reuse distance of 1e9 elements on gpt-1b: 20 of its blocks). Under
+    gradient accumulation the first step's second micro-batch gathers the persistent parameters through
+    the coordinator too, which counts them against max_live_parameters. Its reduce bucket
+    (reduce_bucket_size gradients' elements) and optimizer sub-groups (sub_group_size elements of the
+    rank's shards) close where they are full: they part alike per block where a gradient (a shard) of
+    each block fills one, or where the whole model's fit in one."""
     config = DeepSpeedStage3StepModel(blocks.settings, rank=0, cuda=False, stage=3).config
     n = blocks.settings.world_size
+    persists = config.param_persistence_threshold
     block = sum(elements for elements, _ in blocks.block)
+    gathered = sum(elements for elements, _ in blocks.block if elements > persists)
     model = sum(elements for elements, _ in blocks.params)
-    for name in ("prefetch_bucket_size", "max_reuse_distance"):
+    walk = 3 * model
+    beyond = False
+    for name, per_block in (("prefetch_bucket_size", gathered), ("max_reuse_distance", block)):
         limit = getattr(config, name)
-        if 2 * block < limit < model:
-            return (f"ZeRO-3's {name} ({limit:,} elements) spans more than two blocks' parameters ({block:,} "
+        if 2 * per_block < limit < walk:
+            return (f"ZeRO-3's {name} ({limit:,} elements) spans more than two blocks' parameters ({per_block:,} "
                     "elements each): what it gathers and keeps moves with the depth")
+        beyond = beyond or limit >= walk
+    live = config.max_live_parameters
+    if live < 2 * model and (beyond or (blocks.settings.grad_accum > 1 and gathered < block)):
+        return (f"ZeRO-3's max_live_parameters ({live:,} elements) is less than twice the model's parameters: "
+                "what it gathers at once moves with the depth")
     trained = [elements for elements, trains in blocks.block if trains]
     model_trained = [elements for elements, trains in blocks.params if trains]
     for name, size in (("reduce_bucket_size", lambda elements: elements),
@@ -208,12 +219,6 @@ def windows_across_blocks(blocks: Blocks, step_models: tuple = ()) -> str | None
         if trained and sum(map(size, model_trained)) > limit and max(map(size, trained)) < limit:
             return (f"ZeRO-3's {name} ({limit:,} elements) holds more than one block's: where it parts moves "
                     "with the depth")
-    persistent = sum(elements for elements, _ in blocks.params if elements <= config.param_persistence_threshold)
-    for step_model in step_models:
-        slack = step_model.coordinator.least_slack
-        if slack is not None and slack <= persistent:
-            return (f"ZeRO-3's max_live_parameters ({config.max_live_parameters:,} elements) left room to prefetch "
-                    f"that the deeper model's persistent parameters ({persistent:,} elements) narrow")
     return None
 
 
@@ -227,9 +232,6 @@ class Coordinator:
         self.world_size, self.rank = world_size, rank
         self.prefetch_bucket_size, self.max_live_parameters = prefetch_bucket_size, max_live_parameters
         self.max_reuse_distance = max_reuse_distance
-        # Where max_live_parameters left room to prefetch, the least by which that room could have been
-        # smaller and the same parameters prefetched (windows_across_blocks)
-        self.least_slack: int | None = None
         self.trace_mode = "invalid"  # ZeRoTraceMode: invalid -> record (first step) -> complete
         self.module_order: list[ModuleState] = []
         self.param_order: list[InTrace] = []
@@ -298,19 +300,15 @@ class Coordinator:
             if discarded != not_yet_fetched:
                 raise RuntimeError(f"ZeRO-3 step model: the trace expected other parameters at step {self.step_id}")
             if self.prefetch_bucket_size > 0:
-                room = self.max_live_parameters - self.available_elements
-                limit = min(room, self.prefetch_bucket_size)
-                to_prefetch, elements, before_last = set(), 0, 0
+                limit = min(self.max_live_parameters - self.available_elements, self.prefetch_bucket_size)
+                to_prefetch, elements = set(), 0
                 while self.queue and elements < limit:
                     entry = self.queue.popleft()
                     p = entry.param
                     if p.status == NOT_AVAILABLE and p not in to_prefetch:
                         to_prefetch.add(p)
-                        before_last, elements = elements, elements + p.numel
+                        elements += p.numel
                     self.most_recent_step_id_fetched_for[p] = max(self.fetched_for(p), entry.step_id_last_used_at)
-                if room > 0:  # any room above before_last prefetches these same parameters
-                    slack = room - before_last
-                    self.least_slack = slack if self.least_slack is None else min(self.least_slack, slack)
                 self.all_gather(to_prefetch)
         self.step_id += 1
 

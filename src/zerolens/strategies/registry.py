@@ -69,10 +69,9 @@ class StrategySpec:
     # Why its allocations do not repeat alike per block, where they were seen not to on every model tried
     # (predict/depths.py then traces it at the model's depth without first tracing five shallow ones)
     not_depth_scaled: str | None = None
-    # "module:function" of (base.Blocks, the shallow traces' step models: none before they are traced) ->
-    # why what it groups across blocks (buckets, windows of gathered parameters) may part otherwise at
-    # the model's depth than at the five shallow depths traced, or None where it parts alike at every
-    # depth; None: it groups nothing across blocks (predict/depths.py)
+    # "module:function" of (base.Blocks) -> why what it groups across blocks (buckets, windows of gathered
+    # parameters) may part otherwise at the model's depth than at the five shallow depths traced, or None
+    # where it parts alike at every depth; None: it groups nothing across blocks (predict/depths.py)
     parts_across_blocks: str | None = None
     # Why bench does not compile the GPT presets' blocks under it, where it cannot (bench's --compile)
     not_compiled: str | None = None
@@ -90,13 +89,12 @@ class StrategySpec:
         strategy.name = self.name
         return strategy
 
-    def parted_across_blocks(self, blocks, step_models: tuple = ()) -> str | None:
-        """parts_across_blocks of `blocks` (base.Blocks) and the step models of the shallow traces where
-        they were traced; None where it has none."""
+    def parted_across_blocks(self, blocks) -> str | None:
+        """parts_across_blocks of `blocks` (base.Blocks); None where it has none."""
         if self.parts_across_blocks is None:
             return None
         module, _, function = self.parts_across_blocks.partition(":")
-        return getattr(importlib.import_module(module), function)(blocks, step_models)
+        return getattr(importlib.import_module(module), function)(blocks)
 
     def step_model_class(self):
         """The class of the backend's step model (predict/peak.py); ValueError where there is none."""
