@@ -257,6 +257,11 @@ def test_zero3_windows_part_alike_per_block_within_two_blocks_or_past_the_whole_
     # A model smaller than every limit: nothing parts, at any depth, where max_live_parameters holds the
     # whole model twice over; where not, what is gathered at once moves with the depth
     assert zero3.parted_across_blocks(model_blocks([(10_000, True)] * 4, 40)) is None
+    # A reuse distance past the model (1.6M elements) but not past its walk over the modules: the forward's
+    # parameters are kept for the backward at shallow depths, not at 40 blocks
+    reuse = {"zero_optimization": {"stage3_max_reuse_distance": 3_000_000}}
+    assert "max_reuse_distance" in zero3.parted_across_blocks(model_blocks([(10_000, True)] * 4, 40,
+                                                                           ds_override=reuse))
     live = {"zero_optimization": {"stage3_max_live_parameters": 1_000_000}}
     assert "max_live_parameters" in zero3.parted_across_blocks(model_blocks([(10_000, True)] * 4, 40,
                                                                             ds_override=live))
