@@ -30,8 +30,8 @@ allocation a free frees is not told by its count: the model is traced whole (sam
 
 Scaled where measured (Llama-2-70B's shape, 8 ranks; a tiny Llama): DDP and both FSDP2 strategies;
 Llama-2-70B's shape at 512 and 4096 ranks: ZeRO-3 too; gpt-1b at 8 ranks, micro-batch 8: both FSDP2
-strategies (DDP not: its buckets take a block's gradients in pieces that shift with depth; ZeRO-3
-not: parameters reused within its 1e9 elements are kept, 20 of its blocks). Not: DeepSpeed without
+strategies (DDP not: the check at 6 blocks refuses its traces; ZeRO-3 not: parameters reused within
+its 1e9 elements are kept, 20 of its blocks). Not: DeepSpeed without
 ZeRO, whose flat buffers are cut in pieces that do not repeat per block: the registry says so
 (StrategySpec.not_depth_scaled), and it is traced whole without trying; traces with brackets
 (ZeRO-1/2's splice: what each rank allocates inside them follows from the whole model's flat
@@ -360,7 +360,7 @@ def same_grouping(shape: Structure, one: list[tuple], two: list[tuple], more: in
     of its stream and bytes, counts among the same allocations at b + `more`, which decode pairs by the
     bytes laid out on their lines: those lines group the allocations as the traces' own bytes do at b + 1
     and b + 2, and as at b + 2 at b + `more`. Two sizes whose lines meet at the model's depth (a buffer
-    growing by 700 bytes a block from 1,000 bytes, and one of 8,704 bytes, at 11 blocks), or a size that
+    growing by 700 bytes a block from 1,000 bytes, and one of 8,704 bytes, at 13 blocks), or a size that
     rounding took off its line at b + 1 and b + 2 (rounded_as_traced), would make a count name another
     allocation there."""
     laid = {m: laid_out(shape, m) for m in (1, 2)}
