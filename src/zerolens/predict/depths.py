@@ -402,8 +402,7 @@ def extended_by_counts(shape: Structure, more: int, lines: dict) -> list[tuple] 
     requests = decode(out)
     if requests is None:
         return None
-    return [(action, ident, cuda_bytes(token[3]), stream) if action == "alloc" and token[3] is not None
-            and token[3] >= 0 else (action, ident, size, stream)
+    return [(action, ident, rounded_as_traced(token)[2] if action == "alloc" else size, stream)
             for (token, _), (action, ident, size, stream) in zip(laid, requests)]
 
 
