@@ -116,6 +116,17 @@ def test_lm_task_follows_its_successor_rule():
     assert 0.75 < follows < 0.85  # signal 0.8, plus the odd uniform draw that lands on the successor
 
 
+
+def test_lm_task_without_signal_is_its_noise():
+    """At signal 0 (the peak trace's batch) each next token is the noise's, made without the loop over the
+    sequence: the same tokens as the loop makes, draw for draw."""
+    tokens, labels = lm_batch(5, seed=2, batch_size=3, seq_len=40, vocab_size=97, signal=0.0)
+    gen = torch.Generator().manual_seed(2 * 1_000_003 + 5)
+    first = torch.randint(97, (3,), generator=gen)
+    noise = torch.randint(97, (3, 40), generator=gen)
+    assert torch.equal(tokens[:, 0], first) and torch.equal(labels, noise)
+    assert torch.equal(tokens[:, 1:], noise[:, :-1])
+
 def test_gpt_presets_sizes_and_flops():
     assert 0.9e9 < sum(s.numel() for s in parameter_shapes(PRESETS["gpt-1b"])) < 1.0e9
     config = PRESETS["gpt-tiny"]

@@ -71,8 +71,11 @@ def lm_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size:
     sequence[:, 0] = torch.randint(vocab_size, (batch_size,), generator=gen)
     noise = torch.randint(vocab_size, (batch_size, seq_len), generator=gen)
     follows = torch.rand(batch_size, seq_len, generator=gen) < signal
-    for t in range(seq_len):
-        sequence[:, t + 1] = torch.where(follows[:, t], successor[sequence[:, t]], noise[:, t])
+    if follows.any():
+        for t in range(seq_len):
+            sequence[:, t + 1] = torch.where(follows[:, t], successor[sequence[:, t]], noise[:, t])
+    else:  # signal 0 (the peak trace's batch, whose values are not read): the noise, without the loop
+        sequence[:, 1:] = noise
     # clone, not contiguous: at batch size 1 both slices are contiguous already and would share one
     # storage, which a trace then sees otherwise than at any other size (predict/micro_batches.py)
     return sequence[:, :-1].clone(), sequence[:, 1:].clone()
