@@ -297,6 +297,26 @@ def test_zero3_within_two_blocks_is_scaled_equal_to_its_trace():
     assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
 
 
+
+@pytest.mark.slow
+def test_zero3_with_windows_past_the_whole_model_is_scaled_equal_to_its_trace():
+    pytest.importorskip("deepspeed")
+    # DeepSpeed's own prefetch bucket (5e7 elements) and reuse distance (1e9) reach past llama-tiny's whole walk
+    # over its modules at every depth, and max_live_parameters (1e9) holds the model twice over: what the
+    # coordinator gathers and keeps is the whole model at each depth. Parameters of more than 1,000 elements
+    # go through it (DeepSpeed's persistence threshold, 1e5, would keep each of llama-tiny's whole).
+    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2,
+                             ds_override={"zero_optimization": {"stage3_param_persistence_threshold": 1_000}})
+    blocks = depths.blocks_of(llama_tiny(9), settings)
+    assert sum(elements for elements, _ in blocks.block if elements > 1_000) > 100_000  # gathered, not persistent
+    assert 3 * sum(elements for elements, _ in blocks.params) < 50_000_000
+    assert registry.spec("zero3").parted_across_blocks(blocks) is None
+    record, why = depths.deepened(shallow_records("zero3", llama_tiny(2), settings), 9)
+    assert why is None
+    traced = traced_rank("zero3", llama_tiny(9), settings, cuda_capability=H200)[1]
+    assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
+    assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
+
 def test_sizes_whose_lines_meet_at_the_models_depth_are_not_scaled():
     # A buffer of 1000 bytes and 700 more a block, rounded to 512 (3584 bytes at 3 blocks, 4096 at 4: 512
     # a block on its line), and one of 8704 bytes: their lines meet at 13 blocks, where a free's count,
