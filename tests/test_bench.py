@@ -116,7 +116,6 @@ def test_lm_task_follows_its_successor_rule():
     assert 0.75 < follows < 0.85  # signal 0.8, plus the odd uniform draw that lands on the successor
 
 
-
 def test_lm_task_without_signal_is_its_noise():
     """At signal 0 (the peak trace's batch) each next token is the noise's, made without the loop over the
     sequence: the same tokens as the loop makes, draw for draw."""
@@ -126,6 +125,7 @@ def test_lm_task_without_signal_is_its_noise():
     noise = torch.randint(97, (3, 40), generator=gen)
     assert torch.equal(tokens[:, 0], first) and torch.equal(labels, noise)
     assert torch.equal(tokens[:, 1:], noise[:, :-1])
+
 
 def test_gpt_presets_sizes_and_flops():
     assert 0.9e9 < sum(s.numel() for s in parameter_shapes(PRESETS["gpt-1b"])) < 1.0e9

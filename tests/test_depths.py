@@ -297,7 +297,6 @@ def test_zero3_within_two_blocks_is_scaled_equal_to_its_trace():
     assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
 
 
-
 @pytest.mark.slow
 def test_zero3_with_windows_past_the_whole_model_is_scaled_equal_to_its_trace():
     pytest.importorskip("deepspeed")
@@ -316,6 +315,7 @@ def test_zero3_with_windows_past_the_whole_model_is_scaled_equal_to_its_trace():
     traced = traced_rank("zero3", llama_tiny(9), settings, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
     assert record["phase_peaks"] == traced["phase_peaks"] and rank_outcome(record) == rank_outcome(traced)
+
 
 def test_sizes_whose_lines_meet_at_the_models_depth_are_not_scaled():
     # A buffer of 1000 bytes and 700 more a block, rounded to 512 (3584 bytes at 3 blocks, 4096 at 4: 512
