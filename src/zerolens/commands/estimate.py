@@ -18,7 +18,7 @@ from zerolens.models.model import (
     MIXED_WEIGHTS,
     PRESETS,
     load_user_function,
-    model_built,
+    meta_model,
     weight_bytes_of,
 )
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
@@ -336,20 +336,14 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("--batch goes with --model")
     model_config = estimate_model(args)
     try:  # the model once, on the meta device: its shapes, its weights' dtype, what trains
-        if args.params is not None:
-            shapes, weights, trainable = None, 4, None
-        elif model_config is not None:
-            # Through model_built's cache, which the pool's workers, forked after, inherit: each built
-            # Llama-2-70B's 80 blocks again for its first prediction (about 2 s of processor time each)
-            built = model_built(model_config)
-            shapes, weights, trainable = [tuple(s) for s in built.shapes], built.weight_bytes, list(built.trainable)
-        else:
-            model = factory_meta_model(args.model)
-            # parameters() yields a tied weight once
-            shapes = [tuple(p.shape) for p in model.parameters()]
-            weights, trainable = weight_bytes_of(model), [p.requires_grad for p in model.parameters()]
+        model = (None if args.params is not None else
+                 meta_model(model_config) if model_config is not None else factory_meta_model(args.model))
     except ValueError as e:
         raise UserError(str(e)) from None
+    # parameters() yields a tied weight once
+    shapes = None if model is None else [tuple(p.shape) for p in model.parameters()]
+    weights = 4 if model is None else weight_bytes_of(model)
+    trainable = None if model is None else [p.requires_grad for p in model.parameters()]
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=args.model))
     if args.device == "cpu" and args.precision == "fp16":
