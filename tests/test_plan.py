@@ -98,6 +98,29 @@ def test_the_deepest_model_fits_and_one_layer_more_does_not():
     assert any(line.endswith("more than the memory") for line in lines)
 
 
+
+def test_where_not_one_layer_fits_under_any_strategy_plan_says_so_in_a_line():
+    """A large vocabulary's logits at the default micro-batch (a Qwen2-0.5B shape, 8 ranks of 24 GiB: one layer
+    needs 36 GiB under every strategy): no table of zeros, but the micro-batch at which it fits at its depth."""
+    row = {"strategy": "zero2", "micro_batch": 2, "checkpointing": False, "reduce_bucket_size": 50_000_000,
+           "peak_bytes": 14 * GiB, "needs_bytes": 19 * GiB, "headroom_bytes": 5 * GiB, "barely": False, "rank": 0,
+           "sent_per_step_bytes": 2 * GiB, "sent_per_sample_bytes": GiB}
+    none = {"max_depth": 0, "params": 0, "needs_bytes": None, "depth_scaled_from": {}}
+    result = {"model": "hf:qwen.json", "params": 494_032_768, "width": 896, "world_size": 8, "precision": "bf16",
+              "gpu_memory_bytes": 24 * GiB, "allocator_setting": "default", "cuda_capability": "9.0",
+              "traced_on": "cpu", "micro_batches": [1, 2, 4], "reduce_bucket_sizes": [50_000_000], "fits": [row],
+              "does_not_fit": [], "not_predicted": {},
+              "deepest": {"micro_batch": 8, "checkpointing": False, "strategies": {
+                  "ddp": none | {"next_needs_bytes": 37 * GiB, "traced": {"1": 37 * GiB}},
+                  "zero2": none | {"next_needs_bytes": 36 * GiB, "traced": {"1": 36 * GiB}}}}}
+    text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
+    assert "at micro-batch 8, ckpt off: none, not one layer fits (one layer needs 36.00 GiB under zero2" in text
+    assert "--micro-batch 2 searches the depth there" in text and "one layer more" not in text
+    # Where one strategy fits a layer, the table stays: it says how deep each goes
+    result["deepest"]["strategies"]["zero2"] |= {"max_depth": 3, "params": 60_000_000, "needs_bytes": 23 * GiB}
+    text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
+    assert "(width 896) each strategy can train, predicted, at micro-batch 8" in text and "none, not one" not in text
+
 @pytest.mark.slow
 def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypatch):
     """The depth search's first deep trial is the config's own depth, whose prediction the grid's walk made

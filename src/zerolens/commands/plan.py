@@ -429,12 +429,25 @@ def render_plan(result: dict, top: int) -> list:
         lines.append(f"Not predicted: {name}: {why}.")
     deepest = result["deepest"]
     if deepest:
-        rows = [[name, d["max_depth"], count(d["params"]), in_unit(d["needs_bytes"], unit, 2),
-                 in_unit(d["next_needs_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
-        lines += [f"The deepest {result['model']} (width {result['width']}) each strategy can train, predicted, at "
-                  f"micro-batch {deepest['micro_batch']}, ckpt {'on' if deepest['checkpointing'] else 'off'}:",
-                  terminal_table(["strategy", "layers", "parameters", f"needs {label}", f"one layer more {label}"],
-                                 rows, right={1, 2, 3, 4})]
+        at = f"micro-batch {deepest['micro_batch']}, ckpt {'on' if deepest['checkpointing'] else 'off'}"
+        searched = {name: d for name, d in deepest["strategies"].items() if "why_not" not in d}
+        if searched and all(d["max_depth"] == 0 for d in searched.values()):
+            # Not one layer fits under any strategy: a line says it, where a table would hold only zeros
+            # (a large vocabulary's logits at the default micro-batch, say).
+            least = min(searched, key=lambda name: searched[name]["next_needs_bytes"])
+            fitting = [r["micro_batch"] for r in fits if r["checkpointing"] == deepest["checkpointing"]]
+            lines.append(f"The deepest {result['model']} each strategy can train at {at}: none, not one layer fits "
+                         f"(one layer needs {in_unit(searched[least]['next_needs_bytes'], unit, 2)} {label} under "
+                         f"{least}, the least)" + (f"; at the model's own depth micro-batch {max(fitting)} fits "
+                                                   f"(above): --micro-batch {max(fitting)} searches the depth there"
+                                                   if fitting else "") + ".")
+        else:
+            rows = [[name, d["max_depth"], count(d["params"]), in_unit(d["needs_bytes"], unit, 2),
+                     in_unit(d["next_needs_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
+            lines += [f"The deepest {result['model']} (width {result['width']}) each strategy can train, predicted, "
+                      f"at {at}:",
+                      terminal_table(["strategy", "layers", "parameters", f"needs {label}", f"one layer more {label}"],
+                                     rows, right={1, 2, 3, 4})]
         lines += [f"Not predicted: {name}'s depth: {d['why_not']}." for name, d in deepest["strategies"].items()
                   if "why_not" in d]
     lines.append("--check runs the best candidates on this machine's GPUs, the allocator capped at each one's "
