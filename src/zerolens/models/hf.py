@@ -7,7 +7,7 @@ extra (pip install 'zerolens[hf]'); nothing else in zerolens imports transformer
 The model zerolens trains is the causal LM wrapped to return its logits (`CausalLMLogits`), which
 zerolens's cross-entropy compares with the next tokens of the GPT presets' synthetic task (data.py),
 drawn from the model's own vocabulary. Activation checkpointing is transformers' own
-(gradient_checkpointing_enable, non-reentrant).
+(activation_checkpointing_enable, gradient_checkpointing_enable before transformers named it so; non-reentrant).
 
 A factory of --model module:factory may also return a transformers model as it is: zerolens uses its
 `.logits` (`TransformersLogits`), and where it is a causal LM, shifts the batch's labels as the
@@ -190,7 +190,12 @@ def build(model_config) -> nn.Module:
     config.num_hidden_layers = model_config.num_layers
     lm = transformers.AutoModelForCausalLM.from_config(config, dtype="float32")
     if model_config.activation_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.25 calls it activation_checkpointing_enable, the old name warning that it goes in v6
+        enable = getattr(lm, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.train()
     return CausalLMLogits(lm)
 
