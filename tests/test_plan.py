@@ -98,7 +98,6 @@ def test_the_deepest_model_fits_and_one_layer_more_does_not():
     assert any(line.endswith("more than the memory") for line in lines)
 
 
-
 def test_where_not_one_layer_fits_under_any_strategy_plan_says_so_in_a_line():
     """A large vocabulary's logits at the default micro-batch (a Qwen2-0.5B shape, 8 ranks of 24 GiB: one layer
     needs 36 GiB under every strategy): no table of zeros, but the micro-batch at which it fits at its depth."""
@@ -120,6 +119,7 @@ def test_where_not_one_layer_fits_under_any_strategy_plan_says_so_in_a_line():
     result["deepest"]["strategies"]["zero2"] |= {"max_depth": 3, "params": 60_000_000, "needs_bytes": 23 * GiB}
     text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
     assert "(width 896) each strategy can train, predicted, at micro-batch 8" in text and "none, not one" not in text
+
 
 @pytest.mark.slow
 def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypatch):
