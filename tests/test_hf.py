@@ -190,3 +190,41 @@ def test_a_sequence_classifier_from_a_factory_keeps_its_labels():
     model = build_model(config, seed=0).eval()
     tokens, labels = torch.randint(1024, (4, 8)), torch.tensor([0, 1, 2, 3])
     assert torch.equal(loss_of(model(tokens), labels), model.model(tokens, labels=labels).loss)
+
+
+@pytest.mark.parametrize("model_type, extra, depth, expected", [
+    # Worked out by the configuration itself (all full attention): left out, worked out again at the new depth
+    ("qwen2", {}, 6, ["full_attention"] * 6),
+    # Gemma2's sliding and full layers, in turn: repeated in their period
+    ("gemma2", {"head_dim": 16}, 5, ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]),
+    # A list of the user's own with a period of 2 (not what Qwen2 works out), made shallower and deeper
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"] * 2}, 2, ["full_attention", "sliding_attention"]),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"] * 2}, 6,
+     ["full_attention", "sliding_attention"] * 3),
+])
+def test_a_configuration_with_one_entry_per_layer_is_built_at_another_depth(model_type, extra, depth, expected):
+    """plan's depth search and estimate --depth build the model deeper than its configuration: its
+    layer_types must have one entry per layer, or transformers indexes past the list's end."""
+    from zerolens.models.hf import build
+    from zerolens.models.model import ModelConfig
+    values = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "sliding_window": 32,
+              "max_position_embeddings": 128, **extra}
+    config = transformers.AutoConfig.for_model(**values).to_dict()
+    fields = {"kind": "hf", "hf_config": json.dumps(config), "vocab_size": 256, "d_model": 64, "num_heads": 4,
+              "num_layers": depth, "seq_len": 64}
+    with torch.device("meta"):
+        lm = build(ModelConfig(**fields)).lm
+    assert lm.config.num_hidden_layers == depth and list(lm.config.layer_types) == expected
+    assert len(lm.model.layers) == depth
+
+
+def test_a_layer_list_without_a_pattern_is_not_made_deeper():
+    from zerolens.errors import UserError
+    from zerolens.models.hf import at_depth
+    values = transformers.AutoConfig.for_model(
+        model_type="qwen2", num_hidden_layers=3, layer_types=["full_attention", "full_attention", "sliding_attention"],
+        sliding_window=32).to_dict()
+    assert at_depth(values, 2)["layer_types"] == ["full_attention", "full_attention"]
+    with pytest.raises(UserError, match="no repeating pattern"):
+        at_depth(values, 4)

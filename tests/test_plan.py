@@ -142,6 +142,19 @@ def test_the_depth_search_starts_at_the_config_depth_the_grid_predicted(monkeypa
     assert (1, 2, False) in calls
 
 
+def test_a_depth_the_model_cannot_be_built_at_ends_the_search_with_the_reason():
+    """A Hugging Face model whose layer_types has no pattern to repeat cannot be built deeper (hf.at_depth):
+    the depth search says why, and plan goes on, its grid kept."""
+    def predict(config, cap, memory):
+        if config.model.num_layers > 4:
+            raise UserError("the model's layer_types (4 layers) has no repeating pattern")
+        return {"needs_bytes": config.model.num_layers * GiB}
+    deepest = plan.largest_depth(dataclasses.replace(tiny("ddp"), model=dataclasses.replace(tiny("ddp").model,
+                                                                                           num_layers=4)),
+                                 40 * GiB, (9, 0), predict=predict)
+    assert deepest["max_depth"] == 0 and "no repeating pattern" in deepest["why_not"]
+
+
 @pytest.mark.slow
 def test_a_bigger_bucket_is_a_configuration_of_its_own():
     result = plan.plan(tiny("zero2"), memory=2 * GiB, micro_batches=[1], reduce_bucket_sizes=[200_000, 50_000_000],

@@ -151,8 +151,11 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
     name = config.strategies[0]
 
     def need(depth: int) -> int | None:
-        predicted = (known and known(depth)) or (predict or predicted_peak)(with_depth(config, depth), cuda_capability,
-                                                                           memory=memory)
+        try:
+            predicted = (known and known(depth)) or (predict or predicted_peak)(with_depth(config, depth),
+                                                                               cuda_capability, memory=memory)
+        except UserError as e:  # a model that cannot be built at this depth (hf.at_depth): the search ends here
+            predicted = {"why_not": str(e)}
         if "why_not" in predicted:
             why_not.append(predicted["why_not"])
             return None

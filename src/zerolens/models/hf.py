@@ -186,8 +186,7 @@ def build(model_config) -> nn.Module:
     """The model of a ModelConfig of kind "hf", fp32, on the current default device (the CPU, or the
     meta device under `with torch.device("meta")`), its depth the ModelConfig's."""
     transformers = transformers_or_error()
-    config = transformers.AutoConfig.for_model(**json.loads(model_config.hf_config))
-    config.num_hidden_layers = model_config.num_layers
+    config = transformers.AutoConfig.for_model(**at_depth(json.loads(model_config.hf_config), model_config.num_layers))
     lm = transformers.AutoModelForCausalLM.from_config(config, dtype="float32")
     if model_config.activation_checkpointing:
         # transformers 5.25 calls it activation_checkpointing_enable, the old name warning that it goes in v6
@@ -198,6 +197,32 @@ def build(model_config) -> nn.Module:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.train()
     return CausalLMLogits(lm)
+
+
+def at_depth(values: dict, depth: int) -> dict:
+    """A configuration's values (to_dict's) with `depth` layers. Its list of one entry per layer
+    (`layer_types`: Qwen2's, Gemma2's, ... full or sliding attention) goes with the depth: where it is the
+    one the configuration works out by itself from its other values, it is left out, to be worked out
+    again for the new depth (Qwen2's first max_window_layers full, the rest sliding); else it is
+    repeated in its shortest period (Gemma2's sliding, full, sliding, ...). A list with no shorter
+    period is cut to a shallower depth, and refused for a deeper one: which kind the added layers
+    would be, the configuration does not say. Without this, transformers indexed the old list past its
+    end as the deeper model was built (plan's depth search, estimate --depth)."""
+    layers = values.get("num_hidden_layers")
+    kinds = values.get("layer_types")
+    values = dict(values, num_hidden_layers=depth)
+    if depth == layers or not isinstance(kinds, list) or len(kinds) != layers:
+        return values
+    import transformers
+    worked_out = transformers.AutoConfig.for_model(**{k: v for k, v in values.items() if k != "layer_types"}
+                                                   | {"num_hidden_layers": layers})
+    if getattr(worked_out, "layer_types", None) == kinds:
+        return {k: v for k, v in values.items() if k != "layer_types"}
+    period = next(p for p in range(1, layers + 1) if all(kinds[i] == kinds[i - p] for i in range(p, layers)))
+    if period == layers and depth > layers:
+        raise UserError(f"the model's layer_types ({layers} layers) has no repeating pattern, so zerolens cannot "
+                        f"build it {depth} layers deep (plan --no-depth, or estimate without --depth)")
+    return values | {"layer_types": [kinds[i % period] for i in range(depth)]}
 
 
 @contextmanager
