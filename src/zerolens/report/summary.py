@@ -17,7 +17,7 @@ from zerolens.report.checks import (
 )
 from zerolens.report.tables import SCHEMA_VERSION
 from zerolens.strategies import registry
-from zerolens.strategies.layout import ELEMENT_BYTES, RETAINED_KEYS, deepspeed_layout
+from zerolens.strategies.layout import ELEMENT_BYTES, RETAINED_KEYS, deepspeed_layout, deepspeed_step_bytes
 from zerolens.units import size
 
 
@@ -118,12 +118,14 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
                       for r, p in enumerate(per_rank)],
             "left_allocated_after_teardown_bytes": rank0.get("left_allocated_by_this_strategy_bytes", 0),
         }
+        step_bytes = deepspeed_step_bytes(config.ds_config, config.ds_override)  # DeepSpeed's FusedAdam: none
         for r, rank in enumerate(strategies[name]["ranks"]):
             predicted = registry.predict_retained(name, param_numels, config.nproc, r, config.precision,
                                          reduce_bucket_size=config.reduce_bucket_size, param_shapes=param_shapes,
                                          deepspeed=deepspeed_layout(versions.get("deepspeed")),
                                          param_persistence_threshold=config.param_persistence_threshold,
-                                         weight_bytes=weight_bytes, trainable=trainable)
+                                         weight_bytes=weight_bytes, trainable=trainable,
+                                         deepspeed_step_bytes=step_bytes)
             rank["predicted"] = {k: predicted[k] for k in RETAINED_KEYS}
         prediction = (predicted_peaks or {}).get(name, {"why_not": "not predicted in this run"})
         if "ranks" in prediction:

@@ -177,6 +177,11 @@ class Layout:
     # group on its own (ZeRO-1/2: a padded flat buffer per group) and keeps a step counter per group;
     # Hugging Face's Trainer makes two (weight decay and none).
     param_groups: tuple[tuple[int, ...], ...] | None = None
+    # The bytes of the step count DeepSpeed's optimizer keeps per tensor it steps: torch's AdamW (zerolens's
+    # DeepSpeed config: torch_adam) a 4-byte tensor; DeepSpeed's FusedAdam (type Adam or AdamW without
+    # torch_adam, the config Hugging Face's integration writes) a Python number, no bytes
+    # (deepspeed.steps_in_tensors).
+    deepspeed_step_bytes: int = STEP_COUNTER
 
     @property
     def psi(self) -> int:
@@ -206,6 +211,18 @@ class Layout:
     @property
     def element_bytes(self) -> int:
         return ELEMENT_BYTES[self.precision]
+
+
+def deepspeed_step_bytes(ds_config: dict, ds_override: dict) -> int:
+    """Layout.deepspeed_step_bytes for a run's DeepSpeed config (the user's --ds-config, with
+    --ds-override's keys over it): DeepSpeed builds its FusedAdam for type Adam or AdamW without
+    torch_adam, and keeps each step count as a Python number; zerolens's own config (torch_adam), or
+    any that sets no optimizer, gives torch's AdamW, a 4-byte tensor per parameter it steps."""
+    section, override = ds_config.get("optimizer") or {}, ds_override.get("optimizer") or {}
+    kind = override.get("type", section.get("type"))
+    params = {**section.get("params", {}), **override.get("params", {})}
+    fused = kind is not None and str(kind).lower() in ("adam", "adamw") and params.get("torch_adam") is not True
+    return 0 if fused else STEP_COUNTER
 
 
 def retained(param_bytes: int, grad_bytes_after_backward: int, grad_bytes_after_step: int,
@@ -244,10 +261,11 @@ def deepspeed_stage0_layout(x: Layout) -> dict:
         p = zero_rank_partition(x.param_numels, x.world_size, x.rank).partition_elements
         padded = p * x.world_size
         return retained(e * padded, e * psi + FP32 * padded, e * psi + FP32 * padded,
-                        (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER, 0, psi)
+                        (FP32 + ADAM_MOMENTS) * p + x.deepspeed_step_bytes, 0, psi)
     # 16-bit: FP16_UnfusedOptimizer keeps an fp32 master copy per parameter it trains
     masters = FP32 * trained if e == 2 else 0
-    return retained(e * psi, e * trained, 0, masters + ADAM_MOMENTS * trained + STEP_COUNTER * len(x.trained_numels),
+    return retained(e * psi, e * trained, 0,
+                    masters + ADAM_MOMENTS * trained + x.deepspeed_step_bytes * len(x.trained_numels),
                     0, trained)
 
 
@@ -258,7 +276,7 @@ def deepspeed_flat_partition_layout(x: Layout) -> dict:
     p, e = sum(part.partition_elements for part in parts), x.element_bytes
     frozen = x.psi - x.trained_psi
     return retained(e * (p * x.world_size + frozen), e * sum(part.held_grad_elements for part in parts), 0,
-                    (FP32 + ADAM_MOMENTS) * p + STEP_COUNTER * len(parts), 0, p)
+                    (FP32 + ADAM_MOMENTS) * p + x.deepspeed_step_bytes * len(parts), 0, p)
 
 
 def deepspeed_stage3_layout(x: Layout) -> dict:
@@ -271,7 +289,8 @@ def deepspeed_stage3_layout(x: Layout) -> dict:
     persistent = 0 if x.world_size == 1 else sum(math.ceil(n / x.world_size) * x.world_size for n in x.param_numels
                                                  if n <= x.param_persistence_threshold)
     return retained(e * (shard + persistent), e * trained, e * trained,
-                    (FP32 + ADAM_MOMENTS) * trained + STEP_COUNTER * len(x.trained_groups), e * x.reduce_bucket_size,
+                    (FP32 + ADAM_MOMENTS) * trained + x.deepspeed_step_bytes * len(x.trained_groups),
+                    e * x.reduce_bucket_size,
                     trained)
 
 

@@ -161,17 +161,20 @@ def predict_retained(name: str, param_numels: list[int], world_size: int, rank: 
                      reduce_bucket_size: int = 50_000_000, param_shapes: list[tuple[int, ...]] | None = None,
                      deepspeed: DeepSpeedLayout | None = None,
                      param_persistence_threshold: int = STAGE3_PERSISTENCE_THRESHOLD, weight_bytes: int = 4,
-                     trainable: list[bool] | None = None, param_groups=None) -> dict:
+                     trainable: list[bool] | None = None, param_groups=None,
+                     deepspeed_step_bytes: int | None = None) -> dict:
     """Bytes a rank of strategy `name` holds per component (RETAINED_KEYS), from parameter sizes
     (`weight_bytes`: the weights' element size as the model is built, models.model.weight_bytes;
     `trainable`: which parameters train, models.model.trainable_flags; None: all; `param_groups`: the
-    optimizer's groups, layout.Layout.param_groups; None: one)."""
+    optimizer's groups, layout.Layout.param_groups; None: one; `deepspeed_step_bytes`: the bytes of each
+    step count DeepSpeed's optimizer keeps, layout.deepspeed_step_bytes; None: torch's AdamW's)."""
     layout = Layout(param_numels=param_numels, world_size=world_size, rank=rank, precision=precision,
                     reduce_bucket_size=reduce_bucket_size, param_shapes=param_shapes,
                     param_persistence_threshold=param_persistence_threshold, weight_bytes=weight_bytes,
                     trainable=None if trainable is None else tuple(trainable),
                     param_groups=None if param_groups is None else tuple(tuple(g) for g in param_groups),
-                    **({"deepspeed": deepspeed} if deepspeed is not None else {}))
+                    **({"deepspeed": deepspeed} if deepspeed is not None else {}),
+                    **({"deepspeed_step_bytes": deepspeed_step_bytes} if deepspeed_step_bytes is not None else {}))
     predicted = spec(name).layout(layout)
     return {k: predicted[k] for k in RETAINED_KEYS}
 
