@@ -125,3 +125,43 @@ def test_the_watchdog_ends_its_own_children_without_any_heartbeat(tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_without_a_python_error_is_named_first(tmp_path):
+    """A rank the kernel's out-of-memory killer ends (SIGKILL) writes no log; the other then fails on its
+    closed connection. The killed rank is the cause, named first, with where it was."""
+    out = tmp_path / "killed"
+    result = zerolens("verify", "--steps", "6", "--strategies", "ddp,zero2", "--out", str(out), timeout=240,
+                      env={"ZEROLENS_FAULT": "rank=1,step=2,phase=forward,kind=kill"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failure"].startswith("rank 1 ended during forward of ddp at step 2 without a Python error"), \
+        summary["failure"]
+    assert "then rank 0 failed" in summary["failure"]
+    assert "rank 1 ended during forward of ddp at step 2" in said(result)
+
+
+def test_the_rank_that_vanished_first_is_the_cause_and_those_stopped_after_are_not_named(tmp_path):
+    """failure_lines from what the ranks left: rank 1 ended first with no log (killed), rank 0 then logged
+    its error and ended, rank 2 was stopped by the launcher after that (no log either): not a cause."""
+    from types import SimpleNamespace
+
+    from zerolens.run.launch import failure_lines
+    since = time.time() - 10
+    (tmp_path / "rank0.log").write_text("rank 0 failed during backward of ddp at step 2: RuntimeError: closed\n\n...")
+    for rank in (1, 2):
+        (tmp_path / f"heartbeat_rank{rank}.json").write_text(json.dumps(
+            {"where": f"forward of ddp at step {rank}", "time": since + 1, "pid": 1}))
+    now = time.time()
+    ended = {1: now - 2, 0: now - 1, 2: now - 0.5}
+    failures = {0: SimpleNamespace(message={"message": "RankFailure: rank 0 failed during backward"}, exitcode=1)}
+    lines = failure_lines(failures, tmp_path, since, ended)
+    assert lines == ["rank 1 ended during forward of ddp at step 1 without a Python error: killed by a signal (the "
+                     "kernel's out-of-memory killer?) or a hard exit",
+                     "rank 0 failed during backward of ddp at step 2: RuntimeError: closed"]
+    # The launcher's own words for a rank it saw killed: the signal named
+    killed = {1: SimpleNamespace(message="Signal 9 (SIGKILL) received by PID 7", exitcode=-9)}
+    assert failure_lines(killed, tmp_path, since)[0] == (
+        "rank 1 ended during forward of ddp at step 1 without a Python error: killed by SIGKILL (the kernel's "
+        "out-of-memory killer?)")

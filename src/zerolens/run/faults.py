@@ -1,4 +1,4 @@
-"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom|hang|leak".
+"""Fault injection for testing how a run fails: ZEROLENS_FAULT="rank=R,step=K,phase=P,kind=crash|oom|hang|leak|kill".
 
 At the start of phase P (forward, backward or step) of step K on rank R, of every strategy, or
 before the process group exists (phase init, no step), the
@@ -6,18 +6,20 @@ rank raises (`crash`: a RuntimeError; `oom`: torch.OutOfMemoryError with the all
 message, so that the out-of-memory report can be tested on a CPU) or stops answering (`hang`:
 sleeps until killed), or keeps 1 MiB allocated for good (`leak`: memory a strategy leaves behind,
 which ends its launch; on CPU, where zerolens has no allocator to ask, the only such memory it
-can see). Unset, nothing happens.
+can see), or dies without a Python error (`kill`: SIGKILL, as the kernel's out-of-memory killer ends
+a process). Unset, nothing happens.
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 import torch
 
 PHASES = ("init", "forward", "backward", "step")
-KINDS = ("crash", "oom", "hang", "leak")
+KINDS = ("crash", "oom", "hang", "leak", "kill")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ def inject(fault: Fault | None, rank: int, step: int, phase: str, device: torch.
     if fault.kind == "leak":
         LEAKED.append(torch.ones(2**20, dtype=torch.uint8, device=device or "cpu"))
         return
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "hang":
         while True:
             time.sleep(1)

@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -66,6 +67,9 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
     if watchdog:
         watchdog.start()
     launched = time.time()
+    exits = RankExits(logs, nproc, launched) if logs is not None else None
+    if exits:
+        exits.start()
     try:
         with ranks_ended_on_interrupt():
             elastic_launch(config, entrypoint=entrypoint)(list(worker_args))
@@ -76,11 +80,15 @@ def launch_local(nproc: int, entrypoint: Callable[[list[str]], None], worker_arg
             watchdog.join()  # a diagnosis under way (its stack dumps can end a rank) is completed
         if watchdog and watchdog.verdict:
             raise WorkersFailed(watchdog.verdict) from None
-        lines = failure_lines(e.failures, logs, since=launched)
+        if exits:
+            exits.finish()
+        lines = failure_lines(e.failures, logs, since=launched, ended=exits.ended if exits else None)
         if len(lines) > 1:
             lines[1:] = ["then " + line for line in lines[1:]]
         raise WorkersFailed("; ".join(lines), lines) from None
     finally:
+        if exits:
+            exits.finish()
         if watchdog:
             # Stopped and joined before this launch returns: it must never signal the next launch's workers.
             watchdog.stop.set()
@@ -125,31 +133,102 @@ def start_method(backend: str) -> str:
     return "spawn"
 
 
-def failure_lines(failures: dict, logs: Path | None, since: float) -> list[str]:
+def failure_lines(failures: dict, logs: Path | None, since: float, ended: dict[int, float] | None = None) -> list[str]:
     """What failed, the cause first. torch's launcher names the failed rank it noticed first, which
     need not be the first to fail; each rank that failed with a Python error wrote its message into
     its log (logs/rank<r>.log, worker.py) as it failed, so the logs written since `since` give the
-    order. A rank the launcher names without such a message died without a Python error (killed): it
-    comes first, as the others fail with errors of their own when a rank vanishes."""
+    order. A rank that died without a Python error (a signal: the kernel's out-of-memory killer; a hard
+    exit) writes none, and the others then fail with errors of their own (a peer's connection closed):
+    it comes first. Such a rank is one the launcher names without a message, or one that ended, by
+    `ended` (RankExits: rank -> when its process ended), before any rank that logged an error did
+    (those end after their error; the ranks the launcher stops end after the first failure it saw)."""
     logged: list[tuple[int, int, str]] = []  # (written at, rank, message)
     for path in (logs.glob("rank*.log") if logs is not None else ()):
         with contextlib.suppress(OSError, ValueError):
             written = path.stat().st_mtime_ns
             if written >= since * 1e9:
                 logged.append((written, int(path.stem.removeprefix("rank")), path.read_text().split("\n", 1)[0]))
-    silent = [_describe(rank, failure) for rank, failure in sorted(failures.items())
-              if rank not in {r for _, r, _ in logged}]
-    return silent + [message for _, _, message in sorted(logged)]
+    with_message = {r for _, r, _ in logged}
+    ended = ended or {}
+    first_logged_end = min((ended[r] for r in with_message if r in ended), default=None)
+    vanished = [rank for _, rank in sorted((t, r) for r, t in ended.items() if r not in with_message
+                                           and first_logged_end is not None and t < first_logged_end)]
+    silent = vanished + [rank for rank in sorted(failures) if rank not in with_message and rank not in vanished]
+    return [_describe(rank, failures.get(rank), logs) for rank in silent] + [m for _, _, m in sorted(logged)]
 
 
-def _describe(rank: int, failure) -> str:
-    message = failure.message
+def _describe(rank: int, failure, logs: Path | None = None) -> str:
+    """A rank that left no log of its own: the launcher's message where it has one, else where its last
+    heartbeat (worker.py) says it was and how it ended."""
+    message = "" if failure is None else failure.message
     if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
     message = str(message).removeprefix("RankFailure: ")
-    if not message or "To enable traceback" in message:
-        message = f"rank {rank} exited with code {failure.exitcode} without a Python error (killed?)"
-    return message
+    # torch's own words where the rank wrote no error: "Signal 9 (SIGKILL) received by PID ...", "To enable traceback"
+    if message and "To enable traceback" not in message and not message.startswith("Signal "):
+        return message
+    where = ""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        where = f" during {json.loads((logs / f'heartbeat_rank{rank}.json').read_text())['where']}"
+    how = "killed by a signal (the kernel's out-of-memory killer?) or a hard exit"
+    if failure is not None:
+        with contextlib.suppress(ValueError):
+            how = (f"killed by {signal.Signals(-failure.exitcode).name} (the kernel's out-of-memory killer?)"
+                   if failure.exitcode < 0 else f"exited with code {failure.exitcode} (os._exit, or native code?)")
+    return f"rank {rank} ended{where} without a Python error: {how}"
+
+
+class RankExits(threading.Thread):
+    """When each of this launch's ranks ended (`ended`: rank -> time): what tells a rank that died without
+    a Python error, which writes no log, from those that then failed because it vanished (failure_lines).
+    It watches this process's own ranks (rank_pids), each known by the pid in its heartbeat, through a
+    pidfd, which becomes readable when the process ends (Linux; elsewhere it watches nothing). It only
+    watches: it signals no process."""
+
+    def __init__(self, logs: Path, nproc: int, started: float):
+        super().__init__(daemon=True, name="zerolens-rank-exits")
+        self.logs, self.nproc, self.started = logs, nproc, started
+        self.ended: dict[int, float] = {}
+        self.stop = threading.Event()
+
+    def finish(self) -> None:
+        """Stopped and joined, once every rank that has ended has been seen to."""
+        if self.is_alive():
+            self.stop.set()
+            self.join()
+
+    def run(self) -> None:
+        if not hasattr(os, "pidfd_open"):
+            return
+        watching: dict[int, int] = {}  # pidfd -> rank
+        try:
+            while True:
+                stopping = self.stop.is_set()
+                if len(watching) + len(self.ended) < self.nproc and not stopping:
+                    self.watch_new(watching)
+                ready, _, _ = select.select(list(watching), [], [], 0 if stopping else 0.1)
+                for fd in ready:
+                    self.ended[watching.pop(fd)] = time.time()
+                    os.close(fd)
+                if stopping:
+                    return
+        finally:
+            for fd in watching:
+                os.close(fd)
+
+    def watch_new(self, watching: dict[int, int]) -> None:
+        own = None
+        for rank in set(range(self.nproc)) - set(watching.values()) - set(self.ended):
+            try:
+                beat = json.loads((self.logs / f"heartbeat_rank{rank}.json").read_text())
+            except (OSError, ValueError):
+                continue  # not started yet, or met half written
+            if beat.get("time", 0) < self.started:
+                continue  # an earlier launch's
+            own = set(rank_pids()) if own is None else own
+            if beat.get("pid") in own:
+                with contextlib.suppress(OSError):
+                    watching[os.pidfd_open(beat["pid"])] = rank
 
 
 # A rank whose innermost Python frame is in one of these is waiting for the others: inside a
