@@ -315,6 +315,21 @@ def test_a_lightning_trainer_is_tracked_through_its_callback(tmp_path):
     assert float(logged[-1]["zerolens/grad_after_backward_MiB"]) == ranks[0]["grad_bytes_after_backward"] / 2**20
 
 
+@pytest.mark.slow
+def test_a_lightning_module_left_unwrapped_is_tracked_though_its_forward_never_runs(tmp_path):
+    """One device: Lightning calls training_step itself, which calls a submodule (self.model), never the
+    LightningModule's own forward; the callback takes each forward from the batch's start to backward
+    (nothing was measured before)."""
+    result = run([sys.executable, str(EXAMPLES / "track" / "lightning_loop.py"), "--out", str(tmp_path / "run"),
+                  "--steps", "5", "--every", "2", "--devices", "1", "--strategy", "auto"], timeout=300,
+                 env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    [rank] = next(iter(summary["strategies"].values()))["ranks"]
+    assert rank["sampled_steps"] == [0, 2, 4]
+    assert rank["activation_bytes_after_forward"] > 0 and rank["grad_bytes_after_backward"] > 0
+
+
 def test_an_error_of_zerolens_in_a_hook_ends_the_measuring_not_the_training(tmp_path, capsys):
     from zerolens.measure.census import MeasurementError
     model, optimizer = tiny_model_and_optimizer()

@@ -3,7 +3,8 @@
     python examples/track/lightning_loop.py --out runs/lightning-ddp --strategy ddp
 
 Two devices: GPUs where there are 2, else CPU processes (gloo). Lightning's DDP starts the second
-process itself by running this script again."""
+process itself by running this script again. `--devices 1 --strategy auto`: one device, the
+LightningModule unwrapped."""
 import argparse
 
 import lightning as L
@@ -44,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="the run folder (runs/<time> by default)")
     parser.add_argument("--strategy", default="ddp", help="Lightning's strategy (ddp, deepspeed_stage_2 on GPUs, ...)")
+    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="measure every this many optimizer steps")
     parser.add_argument("--csv-logs", default=None, help="a folder for Lightning's CSVLogger, where zerolens's "
@@ -51,8 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     module = LanguageModel()
-    gpus = torch.cuda.device_count() >= 2
-    trainer = L.Trainer(accelerator="gpu" if gpus else "cpu", devices=2, strategy=args.strategy,
+    gpus = torch.cuda.device_count() >= args.devices
+    trainer = L.Trainer(accelerator="gpu" if gpus else "cpu", devices=args.devices, strategy=args.strategy,
                         precision="bf16-mixed" if gpus else "32-true", max_steps=args.steps,
                         logger=CSVLogger(args.csv_logs) if args.csv_logs else False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

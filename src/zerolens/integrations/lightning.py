@@ -7,7 +7,10 @@ Tracking starts at on_train_start, when the strategy has wrapped the model (`tra
 the DDP model, the DeepSpeed engine, the sharded module) and built the optimizer, and ends at
 on_train_end; an exception in training ends it with a report that says which rank failed and how.
 Lightning steps its optimizers with a closure that runs forward and backward inside `step`; track
-finds the phases all the same.
+finds the phases all the same. A wrapper's forward runs the LightningModule's training_step; where
+the strategy leaves the LightningModule unwrapped (one device, ModelParallelStrategy), Lightning calls
+training_step itself, which need not call the module's own forward (`self.net(x)`), so a forward is
+taken to run from on_train_batch_start to on_before_backward.
 
 Rank 0's figures of each sampled step also go to the Trainer's loggers (TensorBoard, W&B, CSV, ...)
 at its global step; `log=False` keeps them in the run folder only.
@@ -23,6 +26,7 @@ class ZerolensCallback(Callback):
     def __init__(self, *, out=None, every: int = EVERY, overwrite: bool = False, log: bool = True):
         self.out, self.every, self.overwrite, self.log = out, every, overwrite, log
         self.tracker: Tracker | None = None
+        self.unwrapped = False  # the strategy left the LightningModule unwrapped: its forward may never run
 
     def on_train_start(self, trainer, pl_module):
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
@@ -30,8 +34,18 @@ class ZerolensCallback(Callback):
         def to_loggers(figures, step):
             for logger in trainer.loggers:
                 logger.log_metrics(figures, step=trainer.global_step)
+        self.unwrapped = trainer.strategy.model is pl_module
         self.tracker = Tracker(trainer.strategy.model, optimizer, out=self.out, every=self.every,
-                               overwrite=self.overwrite, log_to=to_loggers if self.log and trainer.loggers else None)
+                               overwrite=self.overwrite, log_to=to_loggers if self.log and trainer.loggers else None,
+                               forward_hooks=not self.unwrapped)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.tracker is not None and self.unwrapped:
+            self.tracker.forward_begins()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.tracker is not None and self.unwrapped:
+            self.tracker.forward_ends()
 
     def on_train_end(self, trainer, pl_module):
         self._close(None)

@@ -148,7 +148,8 @@ def logged_figures(record: dict) -> dict[str, float]:
 
 
 class Tracker:
-    def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool, log_to=None):
+    def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool, log_to=None,
+                 forward_hooks: bool = True):
         if not isinstance(every, int) or every < 1:
             raise UserError(f"zerolens.track: every={every!r}; give a whole number of steps, 1 or more")
         log_figures = figures_sink(log_to)  # on every rank: a UserError must end them all
@@ -180,6 +181,8 @@ class Tracker:
         self.out = run_folder_of_rank0(None if out is None else Path(out), overwrite)
         self._undo: list = []  # what puts the user's objects back as they were, at close
         self.backward_undo = None  # the same for backward's patch, during a sampled step
+        # False: the caller says where each training forward begins and ends (forward_begins, forward_ends)
+        self.forward_hooks = forward_hooks
         self._install()
         if self.rank == 0:
             self._write_config()
@@ -201,11 +204,12 @@ class Tracker:
     # --- The hooks -----------------------------------------------------------------------------------
     def _install(self) -> None:
         module = self.trained
-        # Before the backend's own pre-hooks (FSDP2 gathers the root's parameters in one): the census
-        # after the step is taken there.
-        pre = module.register_forward_pre_hook(lambda *a: self._measuring(self._forward_begins, *a), prepend=True)
-        post = module.register_forward_hook(lambda *a: self._measuring(self._forward_ends, *a))
-        self._undo += [pre.remove, post.remove]
+        if self.forward_hooks:
+            # Before the backend's own pre-hooks (FSDP2 gathers the root's parameters in one): the census
+            # after the step is taken there.
+            pre = module.register_forward_pre_hook(lambda *a: self._measuring(self._forward_begins, *a), prepend=True)
+            post = module.register_forward_hook(lambda *a: self._measuring(self._forward_ends, *a))
+            self._undo += [pre.remove, post.remove]
         if self.engine is not None:
             self._undo.append(patched(self.engine, "step", self._engine_step(self.engine.step)))
         else:
@@ -270,6 +274,14 @@ class Tracker:
     def _backward_begins(self) -> None:
         self._close_phase("forward")
         self._open_phase("backward")
+
+    def forward_begins(self) -> None:
+        """A training forward begins, where no forward hook sees it (forward_hooks=False): a Lightning
+        module's training_step, which may call its submodules and never its own forward."""
+        self._measuring(self._forward_begins, self.trained, ())
+
+    def forward_ends(self) -> None:
+        self._measuring(self._forward_ends, self.trained, (), None)
 
     def _forward_begins(self, module, args) -> None:
         if not (module.training and torch.is_grad_enabled()):
