@@ -125,6 +125,22 @@ def train_steps(model, optimizer, steps: int, fail_at: int | None = None) -> Non
         optimizer.step()
 
 
+def test_a_loop_that_never_calls_the_tracked_modules_forward_is_told_why(tmp_path, capsys):
+    """The loop calls the model's parts, never the model: steps are seen, none measured, and the report says
+    what track needs."""
+    model, optimizer = tiny_model_and_optimizer()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=1):
+        for _ in range(2):
+            optimizer.zero_grad()
+            tokens = torch.randint(0, 32, (2, 4))
+            nn.functional.cross_entropy(model[1](model[0](tokens)).flatten(0, 1), tokens.flatten()).backward()
+            optimizer.step()
+    assert "zerolens.track: no step was measured" in capsys.readouterr().out
+    report = " ".join((tmp_path / "run" / "report.md").read_text().split())
+    assert "No step was measured: 2 optimizer steps were seen, but no training forward" in report
+    assert "Give track the module whose forward the loop calls." in report
+
+
 def test_a_plain_module_is_tracked_on_the_sampled_steps(tmp_path, capsys):
     model, optimizer = tiny_model_and_optimizer()
     with zl.track(model, optimizer, out=tmp_path / "run", every=3):

@@ -317,6 +317,14 @@ def tracked_report(summary: dict) -> str:
     unfinished = {"UNFINISHED": "\nThe loop is still running, or ended without leaving track: figures so far.\n",
                   "CRASHED": f"\nThe loop ended with an error:{errors}\n"}.get(summary["verdict"], "")
     missing = summary["ranks_without_a_sampled_step"]
+    if not ranks:  # what the terminal's "no step was measured" refers to
+        notes += ("\n> No step was measured: " + (
+            f"{summary['steps_seen']} optimizer steps were seen, but no training forward (in training mode, "
+            "gradients on) of the module track was given. track takes a step's start from that module's "
+            "forward: a loop that calls one of its submodules, or a method of its own other than forward, "
+            "gives it none. Give track the module whose forward the loop calls."
+            if summary["steps_seen"] else "the optimizer given to track took no step: is it the one the loop "
+            "steps?") + "\n")
     every = summary["every"]
     sampled = "every step" if every == 1 else f"the first step, then one in every {every}"
     return f"""# zerolens.track: {summary['verdict']}
