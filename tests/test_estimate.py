@@ -128,6 +128,13 @@ def test_a_model_without_a_batch_function_gets_no_peak(capsys):
     (["--params", "1e9", "--activation-checkpointing"], "need a model"),
     (["--device", "cpu", "--precision", "fp16"], "fp16 is not supported on CPU"),
     (["--preset", "gpt-tiny", "--jobs", "0"], "--jobs must be at least 1"),
+    # The user's factory fails: one line, as verify says it (without --batch it was a traceback)
+    (["--model", "zerolens_test_models:broken_factory"], "--model: RuntimeError: missing checkpoint file"),
+    # A model and batch that break zerolens's contract: refused as verify refuses them (estimate said "No peak")
+    (["--model", "zerolens_test_models:tuple_output", "--batch", "zerolens_test_models:tiny_batch"],
+     "the model returned a tuple"),
+    (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:wrong_batch"],
+     "--model/--batch"),
 ])
 def test_peak_flags_that_cannot_work_are_user_errors(argv, message, capsys):
     assert main(["estimate", *argv]) == 2

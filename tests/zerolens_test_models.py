@@ -185,3 +185,8 @@ def float_batch(step, batch_size, seed):
     gen = torch.Generator().manual_seed(seed * 1000 + step)
     features = torch.randn(batch_size, 12, generator=gen)
     return features, (features[:, 0] > 0).long() * 2 + (features[:, 1] > 0).long()
+
+
+def broken_factory():
+    """A factory that fails as a user's can (a checkpoint it cannot find)."""
+    raise RuntimeError("missing checkpoint file")

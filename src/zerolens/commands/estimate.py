@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from zerolens.commands.workers import InProcess, default_jobs, pool
-from zerolens.errors import UserError
+from zerolens.errors import UserError, one_line_error
 from zerolens.models.model import (
     MIXED_WEIGHTS,
     PRESETS,
@@ -340,12 +340,19 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
                  meta_model(model_config) if model_config is not None else factory_meta_model(args.model))
     except ValueError as e:
         raise UserError(str(e)) from None
+    except Exception as e:  # the user's factory: whatever it raises is theirs to fix, said in one line (as verify)
+        if model_config is not None and model_config.kind != "user":
+            raise
+        raise UserError(f"--model: {type(e).__name__}: {one_line_error(e)}") from None
     # parameters() yields a tied weight once
     shapes = None if model is None else [tuple(p.shape) for p in model.parameters()]
     weights = 4 if model is None else weight_bytes_of(model)
     trainable = None if model is None else [p.requires_grad for p in model.parameters()]
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=args.model))
+    if model_config is not None and model_config.kind == "user":  # a model and batch that break it: as verify
+        from zerolens.run.validate import check_user_model
+        check_user_model(model_config, args.micro_batch, seed=0)
     if args.device == "cpu" and args.precision == "fp16":
         raise UserError("fp16 is not supported on CPU (DeepSpeed's CPU accelerator has no fp16): use --precision bf16 "
                         "or fp32, or --device cuda")

@@ -56,12 +56,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
         check_supported("deepspeed")
         check_deepspeed_configs(config)
     if config.model.kind == "user":
-        try:
-            check_model_contract(config.model, config.micro_batch * config.nproc, config.seed)
-        except UserError:
-            raise
-        except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
-            raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
+        check_user_model(config.model, config.micro_batch * config.nproc, config.seed)
     # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
     # refused here, not after the others trained.
     shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
@@ -76,6 +71,16 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
                                       weight_bytes=weights, trainable=trainable)
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
+
+
+def check_user_model(model: ModelConfig, global_batch: int, seed: int) -> None:
+    """check_model_contract, where whatever the user's code raises is theirs to fix, said in one line."""
+    try:
+        check_model_contract(model, global_batch, seed)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
 
 
 def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> None:
