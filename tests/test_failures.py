@@ -165,3 +165,18 @@ def test_the_rank_that_vanished_first_is_the_cause_and_those_stopped_after_are_n
     assert failure_lines(killed, tmp_path, since)[0] == (
         "rank 1 ended during forward of ddp at step 1 without a Python error: killed by SIGKILL (the kernel's "
         "out-of-memory killer?)")
+
+
+def test_a_rank_in_autograds_engine_is_waiting_and_one_in_its_own_forward_is_stuck(tmp_path):
+    """DDP's all-reduce runs and is waited for inside autograd's engine (C++): a rank whose innermost Python
+    frame is the engine's waits for the others; one sleeping in its model's forward is the one stuck."""
+    from zerolens.run.launch import HangWatchdog
+    site = "/usr/lib/python3/site-packages/torch"
+    (tmp_path / "stack_rank0.txt").write_text(
+        f'Stack (most recent call first):\n  File "{site}/autograd/graph.py", line 979 in _engine_run_backward\n'
+        f'  File "{site}/_tensor.py", line 623 in backward\n')
+    (tmp_path / "stack_rank1.txt").write_text(
+        'Stack (most recent call first):\n  File "/home/me/model.py", line 12 in forward\n'
+        f'  File "{site}/nn/modules/module.py", line 1784 in _call_impl\n')
+    watchdog = HangWatchdog(tmp_path, 2, timeout=1)
+    assert watchdog.waiting(0) and not watchdog.waiting(1)

@@ -123,6 +123,11 @@ def test_bench_a_user_model(tmp_path):
     (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:per_token_targets"],
      "the model's output (16, 4) and the batch's targets (16, 6) do not fit cross-entropy"),
     (USER + ["--depth", "3"], "change a preset, not a --model"),
+    # What a rank once found only when it ran: a parameter with no gradient (DDP stops), a target past the classes
+    (["--model", "zerolens_test_models:with_an_unused_layer", "--batch", "zerolens_test_models:tiny_batch"],
+     "its forward never uses 2 of its trained parameters (spare.weight, spare.bias)"),
+    (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:targets_past_the_classes"],
+     "targets from 4 to 7, but the model's logits have 4 classes"),
 ])
 def test_user_model_mistakes(cli, tmp_path, args, message):
     result = cli("verify", *args, "--out", str(tmp_path / "run"))

@@ -190,3 +190,16 @@ def float_batch(step, batch_size, seed):
 def broken_factory():
     """A factory that fails as a user's can (a checkpoint it cannot find)."""
     raise RuntimeError("missing checkpoint file")
+
+
+def with_an_unused_layer():
+    """tiny_classifier with a layer its forward never calls: no gradient reaches it."""
+    model = tiny_classifier()
+    model.spare = nn.Linear(16, 16)
+    return model
+
+
+def targets_past_the_classes(step, batch_size, seed):
+    """tiny_batch's tokens with targets 4 to 7, for a model of 4 classes."""
+    tokens, targets = tiny_batch(step, batch_size, seed)
+    return tokens, targets + 4

@@ -234,8 +234,9 @@ class RankExits(threading.Thread):
 # A rank whose innermost Python frame is in one of these is waiting for the others: inside a
 # collective (gloo blocks there), or, on NCCL, where collectives run on the GPU and return at once,
 # waiting for the device (a synchronize, or the copy of a result to the host) that the collective
-# holds up.
-WAITING_CODE = ("/torch/distributed/", "/deepspeed/comm/", "/torch/cuda/")
+# holds up; or in autograd's engine, whose C++ runs DDP's gradient all-reduce and waits for it at
+# backward's end (a hook of the user's own, in Python, would be the innermost frame instead).
+WAITING_CODE = ("/torch/distributed/", "/deepspeed/comm/", "/torch/cuda/", "/torch/autograd/")
 
 
 def rank_pids() -> list[int]:

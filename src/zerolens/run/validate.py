@@ -104,12 +104,27 @@ def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> No
                         "its logits as one tensor (..., classes): return them alone (e.g. `[0]` of a tuple, in a "
                         "small wrapper module; a transformers model may be returned as it is)")
     try:
-        loss_of(output, targets.to("meta"))
+        loss = loss_of(output, targets.to("meta"))
     except Exception as e:
         raise UserError(f"--model/--batch: the model's output {tuple(output.shape)} and the batch's targets "
                         f"{tuple(targets.shape)} do not fit cross-entropy ({one_line_error(e)}); zerolens compares "
                         "logits (..., classes) with integer targets (...) of the same leading shape, for a global "
                         f"batch of {global_batch} rows") from None
+    # The values of the targets, which the meta device cannot check (each rank's cross-entropy raised it)
+    classes, counted = output.shape[-1], targets[targets != -100]
+    if counted.numel() and not 0 <= int(counted.min()) <= int(counted.max()) < classes:
+        raise UserError(f"--batch {model.batch}: targets from {int(counted.min())} to {int(counted.max())}, but the "
+                        f"model's logits have {classes} classes: targets must lie in 0..{classes - 1} (-100: ignored)")
+    try:
+        loss.backward()
+    except Exception:
+        return  # a backward the meta device cannot run: the workers will run it for real
+    unused = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if unused:
+        raise UserError(f"--model {model.factory}: its forward never uses {len(unused)} of its trained parameters "
+                        f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}), which get no gradient: DDP "
+                        "stops at its first step (it would need find_unused_parameters) and DeepSpeed keeps their "
+                        "gradients otherwise than zerolens predicts; remove them, or freeze them (requires_grad=False)")
 
 
 def check_deepspeed_configs(config: RunConfig) -> None:
