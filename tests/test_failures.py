@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from conftest import zerolens
+from conftest import REPO, zerolens
 
 
 def said(result) -> str:
@@ -180,3 +180,12 @@ def test_a_rank_in_autograds_engine_is_waiting_and_one_in_its_own_forward_is_stu
         f'  File "{site}/nn/modules/module.py", line 1784 in _call_impl\n')
     watchdog = HangWatchdog(tmp_path, 2, timeout=1)
     assert watchdog.waiting(0) and not watchdog.waiting(1)
+
+
+@pytest.mark.slow
+def test_a_batch_function_that_fails_is_named_as_the_phase(tmp_path):
+    result = zerolens("verify", "--model", "zerolens_test_models:tiny_classifier", "--batch",
+                      "zerolens_test_models:batch_failing_at_step_3", "--strategies", "ddp", "--steps", "6",
+                      "--out", str(tmp_path / "run"), timeout=240, env={"PYTHONPATH": str(REPO / "tests")})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "failed during making the batch of ddp at step 3: OSError: data shard 3 missing" in said(result)

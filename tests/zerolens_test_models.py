@@ -203,3 +203,10 @@ def targets_past_the_classes(step, batch_size, seed):
     """tiny_batch's tokens with targets 4 to 7, for a model of 4 classes."""
     tokens, targets = tiny_batch(step, batch_size, seed)
     return tokens, targets + 4
+
+
+def batch_failing_at_step_3(step, batch_size, seed):
+    """tiny_batch, but the data of step 3 cannot be read."""
+    if step == 3:
+        raise OSError("data shard 3 missing")
+    return tiny_batch(step, batch_size, seed)

@@ -111,14 +111,15 @@ def train(strategy: Strategy, *, model_config: ModelConfig, seed: int, batches, 
         for step in range(steps):
             # next() rather than zip(range(steps), batches): zip's cached result tuple would hold the
             # step's first micro-batch until the next step, beside the later ones under accumulation.
+            phase.at(step=step, name="making the batch")  # the batch function is the user's, and may fail
             tokens, labels = next(batches)
-            phase.at(step=step)
             record = {"strategy": strategy.name, "rank": rank, "step": step}
             last = step == steps - 1
             micro_losses = []
             with probe.step(strategy, record, last, batch=[tokens, labels]):
                 for micro in range(grad_accum):
                     if micro:  # the step's next micro-batch, made when needed, as a data loader would
+                        phase.at(name="making the batch")
                         tokens, labels = next(batches)
                     with strategy.accumulating(sync=micro == grad_accum - 1):
                         phase.enter("forward")
