@@ -9,6 +9,7 @@ from zerolens.cli import main
 
 @pytest.mark.parametrize("args, message", [
     (["--strategies", "zero2,zero4"], "unknown strategy 'zero4'"),
+    (["--strategies", "ddp,,zero2"], "has an empty name between its commas"),
     (["--nproc", "0"], "--nproc must be at least 1"),
     (["--nproc", "3", "--global-batch", "16"], "--global-batch 16 is not divisible by 3"),
     (["--device", "cuda", "--nproc", "2"], "needs 2 GPUs"),

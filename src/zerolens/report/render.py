@@ -218,7 +218,7 @@ def render(summary: dict, command: str) -> str:
                    "highest over the step's micro-batches)" if summary.get("grad_accum", 1) > 1 else "")
     return f"""# zerolens verify: {summary['verdict']}
 
-{ws} ranks on {dev}, {summary['precision']}, {summary['param_count']:,} parameters, {summary['steps']} steps{accumulated}, \
+{ws} rank{'s' * (ws != 1)} on {dev}, {summary['precision']}, {summary['param_count']:,} parameters, {summary['steps']} steps{accumulated}, \
 baseline {summary['baseline']}. Command: `{command}`
 {notes}
 ## Memory per rank (MiB = 1024^2 bytes)

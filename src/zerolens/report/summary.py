@@ -169,7 +169,8 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
         checks.append(metrics)
     notes = [note for note in (config.device_note, config.precision_note) if note]
     notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
-    long, headline_notes = bucket_notes(config, strategies, sum(param_numels))
+    trained_elements = sum(n for n, t in zip(param_numels, trainable or [True] * len(param_numels)) if t)
+    long, headline_notes = bucket_notes(config, strategies, trained_elements)  # a frozen one has no gradient
     notes += long
     notes += persistent_parameter_notes(config, strategies)
     notes += leftover_notes(config, strategies, gathered)
@@ -230,7 +231,8 @@ def recommended_bucket(psi: int, world_size: int) -> int:
 def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[str]]:
     """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
     every backward, ZeRO-3 keeps one: the registry says which), measured against the baseline's peak
-    where the allocator can tell. (The notes for report.md, and one line each for the terminal.)"""
+    where the allocator can tell. `psi`: the elements of the parameters that train. (The notes for
+    report.md, and one line each for the terminal.)"""
     element = ELEMENT_BYTES[config.precision]
     bucket, grads = config.reduce_bucket_size * element, psi * element
     if bucket <= grads:

@@ -36,9 +36,11 @@ PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-ti
 
 def parse_strategies(text: str) -> tuple[str, ...]:
     """`--strategies` as a tuple of known names."""
-    strategies = tuple(s.strip() for s in text.split(",") if s.strip())
-    if not strategies:
+    strategies = tuple(s.strip() for s in text.split(","))
+    if not any(strategies):
         raise UserError("--strategies is empty")
+    if "" in strategies:
+        raise UserError(f"--strategies {text!r} has an empty name between its commas")
     unknown = [s for s in strategies if s not in registry.names()]
     if unknown:
         raise UserError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(registry.names())}")
