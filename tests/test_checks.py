@@ -4,7 +4,7 @@ import json
 import math
 from pathlib import Path
 
-from zerolens.report.checks import loss_matches
+from zerolens.report.checks import loss_fell, loss_matches
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -155,3 +155,10 @@ def test_on_cuda_the_peaks_are_checked_as_the_allocator_counts_them():
     assert not peak_prediction_check("ddp", rank(1060))["passed"]
     assert peak_prediction_check("ddp", rank(1060), "expandable_segments")["expected"]["forward"] == 980
     assert peak_prediction_check("ddp", rank(None))["expected"]["peak"] == 980  # not replayed: as asked
+
+
+def test_a_loss_that_did_not_fall_says_what_to_change():
+    slow = loss_fell("ddp", [2.32] * 25 + [2.30] * 25)
+    assert not slow["passed"] and "a higher --lr or more --steps" in slow["detail"]
+    fell = loss_fell("ddp", [2.3] * 25 + [1.9] * 25)
+    assert fell["passed"] and "--lr" not in fell["detail"]

@@ -45,7 +45,10 @@ def loss_fell(name: str, losses: list[float]) -> dict:
                  measured={"first_mean": first, "last_mean": last, "window_steps": w},
                  expected=f"last_mean <= {1 - MIN_RELATIVE_FALL:.2f} x first_mean",
                  tolerance=f"a fall of at least {MIN_RELATIVE_FALL:.0%}",
-                 detail=f"mean of the first {w} steps {first:.4f}, of the last {w} steps {last:.4f}")
+                 detail=f"mean of the first {w} steps {first:.4f}, of the last {w} steps {last:.4f}"
+                 + ("" if last <= first * (1 - MIN_RELATIVE_FALL) else
+                    "; a model that learns slowly needs a higher --lr or more --steps (no memory check depends "
+                    "on this one)"))
 
 
 def moving_mean(values: list[float], window: int) -> list[float]:
