@@ -24,12 +24,17 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="the run folder (runs/<time> by default)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="measure every this many optimizer steps")
+    parser.add_argument("--deepspeed-adam", action="store_true",
+                        help="DeepSpeed's own FusedAdam (the optimizer section without torch_adam)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_args()
+    config = CONFIG
+    if args.deepspeed_adam:
+        config = CONFIG | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)
     model = TinyTransformer()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     with zerolens.track(engine, out=args.out, every=args.every):
         for step in range(args.steps):
             tokens, labels = batch(step, dist.get_rank(), 4, model, engine.device)

@@ -459,9 +459,16 @@ class Tracker:
                 reduce_bucket_size=settings.reduce_bucket_size, param_shapes=shapes,
                 deepspeed=deepspeed_layout(versions().get("deepspeed")), weight_bytes=self.weight_bytes(),
                 trainable=None if all(trainable) else trainable, param_groups=self.parameter_groups(),
-                **self.stage3_threshold())
+                deepspeed_step_bytes=self.deepspeed_step_bytes(), **self.stage3_threshold())
             self.predictions[rank] = {k: predicted[k] for k in RETAINED_KEYS}
         return self.predictions[rank]
+
+    def deepspeed_step_bytes(self) -> int | None:
+        """layout.Layout.deepspeed_step_bytes of a DeepSpeed engine's optimizer: none for one of DeepSpeed's own
+        (FusedAdam: its step counts are Python numbers); None (torch's AdamW's) otherwise."""
+        if self.engine is None or isinstance(self.engine.basic_optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return None
+        return 0
 
     def not_predicted(self) -> str | None:
         """Why the retained memory cannot be predicted here, or None: the layouts are those of the
