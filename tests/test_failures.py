@@ -138,7 +138,7 @@ def test_a_rank_killed_without_a_python_error_is_named_first(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failure"].startswith("rank 1 ended during forward of ddp at step 2 without a Python error"), \
         summary["failure"]
-    assert "then rank 0 failed" in summary["failure"]
+    # (rank 0 then fails on the closed connection, or the launcher stops it first: named after, or not at all)
     assert "rank 1 ended during forward of ddp at step 2" in said(result)
 
 

@@ -154,12 +154,13 @@ def failure_lines(failures: dict, logs: Path | None, since: float, ended: dict[i
     vanished = [rank for _, rank in sorted((t, r) for r, t in ended.items() if r not in with_message
                                            and first_logged_end is not None and t < first_logged_end)]
     silent = vanished + [rank for rank in sorted(failures) if rank not in with_message and rank not in vanished]
-    return [_describe(rank, failures.get(rank), logs) for rank in silent] + [m for _, _, m in sorted(logged)]
+    return [_describe(rank, failures.get(rank), logs, since) for rank in silent] + [m for _, _, m in sorted(logged)]
 
 
-def _describe(rank: int, failure, logs: Path | None = None) -> str:
+def _describe(rank: int, failure, logs: Path | None = None, since: float = 0) -> str:
     """A rank that left no log of its own: the launcher's message where it has one, else where its last
-    heartbeat (worker.py) says it was and how it ended."""
+    heartbeat since `since` (worker.py; an earlier launch's says nothing of this one) says it was and how
+    it ended."""
     message = "" if failure is None else failure.message
     if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
@@ -169,7 +170,8 @@ def _describe(rank: int, failure, logs: Path | None = None) -> str:
         return message
     where = ""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        where = f" during {json.loads((logs / f'heartbeat_rank{rank}.json').read_text())['where']}"
+        beat = json.loads((logs / f"heartbeat_rank{rank}.json").read_text())
+        where = f" during {beat['where']}" if beat["time"] >= since else " before its first heartbeat"
     how = "killed by a signal (the kernel's out-of-memory killer?) or a hard exit"
     if failure is not None:
         with contextlib.suppress(ValueError):

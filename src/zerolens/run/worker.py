@@ -413,11 +413,13 @@ def print_header(config: RunConfig, out: Path) -> None:
         kernels = ", ".join(["fused AdamW" if config.fused_adam else "foreach AdamW"]
                             + ["blocks and loss compiled"] * config.model.compile_blocks
                             + ["ZeRO-1/2's bf16 gradient overflow check off"] * unchecked)
-        say(f"zerolens bench: {config.nproc} rank{'s' * (config.nproc != 1)} on {config.device}, {config.preset}, strategies "
+        ranks = f"{config.nproc} rank{'s' * (config.nproc != 1)}"
+        say(f"zerolens bench: {ranks} on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.warmup_steps} warm-up + {config.steps} timed steps{accumulated}"
             f"{rounds}{references}; {kernels}", f"run folder: {out}")
     else:
-        say(f"zerolens verify: {config.nproc} rank{'s' * (config.nproc != 1)} on {config.device}, {config.preset}, strategies "
+        ranks = f"{config.nproc} rank{'s' * (config.nproc != 1)}"
+        say(f"zerolens verify: {ranks} on {config.device}, {config.preset}, strategies "
             f"{', '.join(config.strategies)}, {config.steps} steps{accumulated}", f"run folder: {out}")
 
 
