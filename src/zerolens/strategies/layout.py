@@ -180,7 +180,7 @@ class Layout:
     # The bytes of the step count DeepSpeed's optimizer keeps per tensor it steps: torch's AdamW (zerolens's
     # DeepSpeed config: torch_adam) a 4-byte tensor; DeepSpeed's FusedAdam (type Adam or AdamW without
     # torch_adam, the config Hugging Face's integration writes) a Python number, no bytes
-    # (deepspeed.steps_in_tensors).
+    # (deepspeed_step_bytes).
     deepspeed_step_bytes: int = STEP_COUNTER
 
     @property
