@@ -203,3 +203,14 @@ def test_a_users_gradient_accumulation_agrees_with_the_runs(cli, tmp_path):
     settings = TrainSettings(precision="bf16", micro_batch=8, world_size=2, grad_accum=4)
     config = DeepSpeedZero(settings, stage=2).ds_config()
     assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (4, 64)
+
+
+def test_a_bucket_flag_the_deepspeed_config_would_overrule_is_a_user_error(cli, tmp_path):
+    """With --ds-config, DeepSpeed takes the bucket from the file (its default where the file has none):
+    --reduce-bucket-size was silently dropped, while the bucket note advised it."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    result = cli("verify", "--ds-config", str(path), "--strategies", "zero2", "--reduce-bucket-size", "2e5",
+                 "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and "DeepSpeed takes zero_optimization.reduce_bucket_size from the file (5e+08" \
+        in result.stderr and not (tmp_path / "run").exists()

@@ -228,3 +228,19 @@ def test_a_layer_list_without_a_pattern_is_not_made_deeper():
     assert at_depth(values, 2)["layer_types"] == ["full_attention", "full_attention"]
     with pytest.raises(UserError, match="no repeating pattern"):
         at_depth(values, 4)
+
+
+@pytest.mark.parametrize("values, message", [
+    # transformers' default pad_token_id (32000) lies past a small vocabulary: the embedding refuses it
+    ({"model_type": "phi3", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128}, "cannot build it"),
+    # a width the heads do not divide
+    ({"model_type": "llama", "vocab_size": 1000, "hidden_size": 66, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4}, "cannot make a configuration of it"),
+])
+def test_a_configuration_transformers_cannot_build_is_one_line(cli, tmp_path, values, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    result = cli("estimate", "--model", f"hf:{path}")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

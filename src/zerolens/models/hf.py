@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from zerolens.errors import UserError
+from zerolens.errors import UserError, one_line_error
 
 PREFIX = "hf:"
 DEFAULT_SEQ_LEN = 1024  # at most the model's max_position_embeddings
@@ -67,7 +67,7 @@ def read_config(source: str):
                         + (f" (close: {', '.join(close)})" if close else " (hf:gpt2, or a config.json?)"))
     try:
         config = transformers.AutoConfig.for_model(**values)
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # ValueError, KeyError, a strict dataclass's validation error (heads, width)
         raise UserError(f"--model hf:{source}: transformers {transformers.__version__} cannot make a configuration "
                         f"of it ({str(e).splitlines()[0][:200]})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -186,8 +186,15 @@ def build(model_config) -> nn.Module:
     """The model of a ModelConfig of kind "hf", fp32, on the current default device (the CPU, or the
     meta device under `with torch.device("meta")`), its depth the ModelConfig's."""
     transformers = transformers_or_error()
-    config = transformers.AutoConfig.for_model(**at_depth(json.loads(model_config.hf_config), model_config.num_layers))
-    lm = transformers.AutoModelForCausalLM.from_config(config, dtype="float32")
+    try:
+        config = transformers.AutoConfig.for_model(**at_depth(json.loads(model_config.hf_config),
+                                                              model_config.num_layers))
+        lm = transformers.AutoModelForCausalLM.from_config(config, dtype="float32")
+    except UserError:
+        raise
+    except Exception as e:  # the configuration's values: a pad_token_id past the vocabulary, heads that do not divide
+        raise UserError(f"--model {model_config.factory}: transformers {transformers.__version__} cannot build it "
+                        f"({type(e).__name__}: {one_line_error(e)})") from None
     if model_config.activation_checkpointing:
         # transformers 5.25 calls it activation_checkpointing_enable, the old name warning that it goes in v6
         enable = getattr(lm, "activation_checkpointing_enable", None)

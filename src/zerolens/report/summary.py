@@ -240,10 +240,14 @@ def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[st
     notes, headlines = [], []
     base = strategies[config.baseline]["ranks"][0]["peak_bytes"]
     lifetime = {"every backward": "allocated on every backward", "whole run": "kept for the whole run"}
+    recommended = f"{recommended_bucket(psi, config.nproc):.0e}"
+    try_bucket = (f"Try zero_optimization.reduce_bucket_size {recommended} in the --ds-config file" if config.ds_config
+                  else f"Try --reduce-bucket-size {recommended}")
     for name in strategies:
         if registry.spec(name).reduce_bucket is None:
             continue
-        peak = strategies[name]["ranks"][0]["peak_bytes"]
+        # Against the baseline's peak, unless it is the baseline
+        peak = None if name == config.baseline else strategies[name]["ranks"][0]["peak_bytes"]
         kept = lifetime[registry.spec(name).reduce_bucket]
         measured = ("" if peak is None or base is None else
                     f" Measured on rank 0: peak {size(peak)} under {name} against "
@@ -253,11 +257,11 @@ def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[st
             f"{name}: its {size(bucket)} reduce bucket ({kept}) "
             f"outweighs all {size(grads)} of gradients"
             + ("" if peak is None or base is None else f"; peak {size(peak)} against {size(base)}")
-            + f". Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}.")
+            + f". {try_bucket}.")
         notes.append(
             f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {size(bucket)} "
             f"buffer {kept}, while all of this model's gradients take {size(grads)}."
-            f"{measured} Try --reduce-bucket-size {recommended_bucket(psi, config.nproc):.0e}: at most one "
+            f"{measured} {try_bucket}: at most one "
             "rank's share of the gradients.")
     return notes, headlines
 

@@ -34,6 +34,9 @@ PRESET_GPU_PRECISION = {"case-study": "fp16", "case-study-130m": "bf16", "gpt-ti
                         "gpt-350m": "bf16", "gpt-1b": "bf16"}
 
 
+DEFAULT_REDUCE_BUCKET = 5e7  # elements: the case study's
+
+
 def parse_strategies(text: str) -> tuple[str, ...]:
     """`--strategies` as a tuple of known names."""
     strategies = tuple(s.strip() for s in text.split(","))
@@ -106,7 +109,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--global-batch", type=int, default=None,
                         help="samples per optimizer step over all ranks; must be divisible by --nproc x "
                              "--grad-accum (default: micro-batch x nproc x grad-accum)")
-    parser.add_argument("--reduce-bucket-size", type=float, default=5e7,
+    parser.add_argument("--reduce-bucket-size", type=float, default=DEFAULT_REDUCE_BUCKET,
                         help="DeepSpeed reduce_bucket_size in elements (default 5e7, the case study's)")
     parser.add_argument("--gradient-clipping", type=float, default=1.0,
                         help="global gradient-norm clipping for every strategy; 0 turns it off "
@@ -288,6 +291,10 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None,
     grad_overflow_check = resolved_grad_overflow_check(args.grad_overflow_check, fast, precision, ds_config,
                                                        ds_override, strategies)
     reduce_bucket_size = deepspeed_zero_setting(ds_config, ds_override, "reduce_bucket_size", args.reduce_bucket_size)
+    if ds_config and args.reduce_bucket_size != DEFAULT_REDUCE_BUCKET and reduce_bucket_size != args.reduce_bucket_size:
+        raise UserError(f"--reduce-bucket-size {args.reduce_bucket_size:.0e}: with --ds-config, DeepSpeed takes "
+                        f"zero_optimization.reduce_bucket_size from the file ({reduce_bucket_size:.0e} here); set it "
+                        "there, or with --ds-override")
     persistence = deepspeed_zero_setting(ds_config, ds_override, "stage3_param_persistence_threshold",
                                          STAGE3_PERSISTENCE_THRESHOLD)
     config = RunConfig(strategies=strategies, baseline=baseline, nproc=nproc, device=device,

@@ -37,7 +37,8 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     predicted, so DeepSpeed need not be installed."""
     if config.device == "cuda" and gpus_visible is not None and gpus_visible < config.nproc:
         fix = f"use --nproc {gpus_visible} or --device cpu" if gpus_visible else "use --device cpu"
-        raise UserError(f"--device cuda with {config.nproc} processes needs {config.nproc} GPUs, but "
+        raise UserError(f"--device cuda with {config.nproc} process{'es' * (config.nproc != 1)} needs {config.nproc} "
+                        f"GPU{'s' * (config.nproc != 1)}, but "
                         f"{gpus_visible} are visible; {fix}")
     try:
         fault_from_environment()  # ZEROLENS_FAULT, for tests of failures
