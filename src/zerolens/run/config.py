@@ -94,7 +94,7 @@ class RunConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise UserError(f"--peak-tflops must be positive, got {self.peak_tflops}")
         if self.job == "verify" and self.steps < 4:
-            raise UserError(f"--steps must be at least 4 to tell whether the loss fell, got {self.steps}")
+            raise UserError(f"--steps must be at least 4 for verify, got {self.steps}")
         if self.job == "bench" and self.steps < 1:
             raise UserError(f"--steps (timed steps) must be at least 1, got {self.steps}")
         if not self.lr > 0:
