@@ -169,15 +169,25 @@ def _describe(rank: int, failure, logs: Path | None = None, since: float = 0) ->
     if message and "To enable traceback" not in message and not message.startswith("Signal "):
         return message
     where = ""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        beat = json.loads((logs / f"heartbeat_rank{rank}.json").read_text())
-        where = f" during {beat['where']}" if beat["time"] >= since else " before its first heartbeat"
+    beat = None if logs is None else read_heartbeat(logs, rank)
+    if beat is not None:
+        with contextlib.suppress(KeyError, TypeError):  # a heartbeat without its fields
+            where = f" during {beat['where']}" if beat["time"] >= since else " before its first heartbeat"
     how = "killed by a signal (the kernel's out-of-memory killer?) or a hard exit"
     if failure is not None:
         with contextlib.suppress(ValueError):
             how = (f"killed by {signal.Signals(-failure.exitcode).name} (the kernel's out-of-memory killer?)"
                    if failure.exitcode < 0 else f"exited with code {failure.exitcode} (os._exit, or native code?)")
     return f"rank {rank} ended{where} without a Python error: {how}"
+
+
+def read_heartbeat(logs: Path, rank: int) -> dict | None:
+    """A rank's heartbeat (worker.py, train.Heartbeat), or None where it has none yet or it was met half
+    written (a rank rewrites it in place)."""
+    try:
+        return json.loads((logs / f"heartbeat_rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class RankExits(threading.Thread):
@@ -221,12 +231,9 @@ class RankExits(threading.Thread):
     def watch_new(self, watching: dict[int, int]) -> None:
         own = None
         for rank in set(range(self.nproc)) - set(watching.values()) - set(self.ended):
-            try:
-                beat = json.loads((self.logs / f"heartbeat_rank{rank}.json").read_text())
-            except (OSError, ValueError):
-                continue  # not started yet, or met half written
-            if beat.get("time", 0) < self.started:
-                continue  # an earlier launch's
+            beat = read_heartbeat(self.logs, rank)
+            if beat is None or beat.get("time", 0) < self.started:
+                continue  # not started yet, met half written, or an earlier launch's
             own = set(rank_pids()) if own is None else own
             if beat.get("pid") in own:
                 with contextlib.suppress(OSError):
@@ -313,11 +320,8 @@ class HangWatchdog(threading.Thread):
         A heartbeat read while its rank rewrites it (train.Heartbeat: in place) may not parse: the one
         read before stands."""
         for rank in range(self.nproc):
-            try:
-                beat = json.loads((self.logs / f"heartbeat_rank{rank}.json").read_text())
-            except (OSError, ValueError):
-                continue  # not started yet, or met half written
-            if beat["time"] >= self.started:
+            beat = read_heartbeat(self.logs, rank)
+            if beat is not None and beat["time"] >= self.started:
                 self.last_read[rank] = beat
         return dict(self.last_read)
 
