@@ -210,3 +210,29 @@ def batch_failing_at_step_3(step, batch_size, seed):
     if step == 3:
         raise OSError("data shard 3 missing")
     return tiny_batch(step, batch_size, seed)
+
+
+def small_layers():
+    """For --model: 3,950 parameters in odd widths, every one under ZeRO-3's persistence threshold and
+    its activations small: the peak of backward is at the reduce-scatter of the gradients."""
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(7, 33)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(33, 17), nn.GELU(), nn.Linear(17, 33)) for _ in range(3))
+            self.out = nn.Linear(33, 5)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.out(x)
+    return Small()
+
+
+def small_batch(step, batch_size, seed):
+    """For --batch with small_layers: 7 features; the class is the signs of the first two (4 of 5 used)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    x = torch.randn(batch_size, 7, generator=gen)
+    return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()

@@ -467,6 +467,8 @@ class DeepSpeedStage3StepModel(Strategy):
         self.zero3_linear_wrap = zero3_linear_wrap
         self.settings, self.rank, self.cuda = settings, rank, cuda
         self.world_size = settings.world_size
+        # The bytes of each copy a gloo collective makes, in order (a CPU run's; reduce_bucket)
+        self.collective_buffer_sizes: list[int] = []
         self.dtype = DTYPES[settings.precision]  # weights, gradients, communication (engine.py, get_data_types)
         self.config = DeepSpeedZeroConfig(**DeepSpeedZero(settings, stage=3).ds_config()["zero_optimization"])
 
@@ -662,6 +664,15 @@ class DeepSpeedStage3StepModel(Strategy):
                 interleaved = torch.empty(n * sum(chunks), dtype=self.dtype, device=self.device)  # the cat
                 del padding
             interleaved.div_(n)
+            if not self.cuda:
+                # gloo reduces a copy of the input, made on the calling thread and alive until the
+                # collective is waited on (ProcessGroupGloo::reduce_scatter_tensor_coalesced:
+                # inputTensors[i].clone()); NCCL makes none. On a model of small parameters it is the
+                # backward's peak. gloo's own thread's copy of the rank's share may be freed late
+                # (checks.peak_prediction_check allows one such buffer).
+                gloo_copy = interleaved.clone()
+                self.collective_buffer_sizes += [gloo_copy.nbytes, sum(chunks) * interleaved.element_size()]
+                del gloo_copy
             mine = interleaved.narrow(0, rank * sum(chunks), sum(chunks))  # torch.chunk(interleaved, n)[rank]
             offset = 0
             for p, chunk, length in zip(params, chunks, lengths):
