@@ -125,6 +125,53 @@ def train_steps(model, optimizer, steps: int, fail_at: int | None = None) -> Non
         optimizer.step()
 
 
+
+def several_optimizers(rank, world_size, out):
+    """DDP loops that step their embedding with an optimizer of its own: two Adams (predicted), AdamW
+    with an SGD stepped every other step (not predicted: SGD's momentum is no layout's), and the
+    AdamW alone given to track while the SGD steps the embedding (predicted for the AdamW's parameters)."""
+    for case in ("two-adams", "adamw-sgd", "adamw-given-alone"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+        embedding, head = list(model[0].parameters()), list(model[1].parameters())
+        main = torch.optim.AdamW(head, lr=1e-3)
+        other = torch.optim.Adam(embedding, lr=1e-3) if case == "two-adams" else \
+            torch.optim.SGD(embedding, lr=0.1, momentum=0.9)
+        trained = nn.parallel.DistributedDataParallel(model)
+        with zl.track(trained, main if case == "adamw-given-alone" else [main, other], out=out / case, every=2):
+            for step in range(5):
+                tokens = torch.randint(0, 32, (2, 4))
+                nn.functional.cross_entropy(trained(tokens).flatten(0, 1), tokens.flatten()).backward()
+                main.step()
+                if case == "two-adams" or step % 2 == 0:
+                    other.step()
+                main.zero_grad()
+                other.zero_grad()
+
+
+def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_path):
+    spawn(several_optimizers, tmp_path, timeout=240)
+    embedding, head = 32 * 16, 16 * 32 + 32  # elements
+    summaries = {case: json.loads((tmp_path / case / "summary.json").read_text())
+                 for case in ("two-adams", "adamw-sgd", "adamw-given-alone")}
+    for case, summary in summaries.items():
+        assert summary["steps_seen"] == 5, case
+        rank = summary["strategies"]["ddp"]["ranks"][0]
+        assert rank["sampled_steps"] == [0, 2, 4], case
+    both = summaries["two-adams"]
+    assert [c["passed"] for c in both["checks"]] == [True, True]
+    rank = both["strategies"]["ddp"]["ranks"][0]
+    assert rank["optimizer_state_bytes"] == 2 * 4 * (embedding + head) + 4 * 3  # both Adams' moments and steps
+    assert json.loads((tmp_path / "two-adams" / "config.json").read_text())["optimizer"] == "AdamW, Adam"
+    sgd = summaries["adamw-sgd"]
+    assert sgd["checks"] == [] and any("and the loop steps SGD" in note for note in sgd["notes"])
+    assert sgd["strategies"]["ddp"]["ranks"][0]["optimizer_state_bytes"] == 2 * 4 * head + 4 * 2 + 4 * embedding
+    alone = summaries["adamw-given-alone"]
+    assert [c["passed"] for c in alone["checks"]] == [True, True]
+    assert alone["strategies"]["ddp"]["ranks"][0]["optimizer_state_bytes"] == 2 * 4 * head + 4 * 2
+    assert any(note.startswith("1 of the model's trained parameters (requires_grad) in none of the optimizers")
+               for note in alone["notes"])
+
 def test_a_loop_that_never_calls_the_tracked_modules_forward_is_told_why(tmp_path, capsys):
     """The loop calls the model's parts, never the model: steps are seen, none measured, and the report says
     what track needs."""
@@ -210,6 +257,8 @@ def test_a_crash_in_the_loop_leaves_a_readable_partial_report(tmp_path):
 
 @pytest.mark.parametrize("call, message", [
     (lambda m, o, out: zl.track(m, None, out=out), "needs the optimizer"),
+    (lambda m, o, out: zl.track(m, [], out=out), "needs the optimizer"),
+    (lambda m, o, out: zl.track(m, [o, "sgd"], out=out), "needs the optimizer"),
     (lambda m, o, out: zl.track("model", o, out=out), "cannot track a str"),
     (lambda m, o, out: zl.track(m, o, out=out, every=0), "every=0"),
     (lambda m, o, out: zl.track(m, o, out=out, log_to="tb"), "log_to=str"),

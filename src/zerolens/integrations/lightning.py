@@ -29,13 +29,13 @@ class ZerolensCallback(Callback):
         self.unwrapped = False  # the strategy left the LightningModule unwrapped: its forward may never run
 
     def on_train_start(self, trainer, pl_module):
-        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        optimizers = list(trainer.optimizers)  # several under manual optimization: track takes them all
 
         def to_loggers(figures, step):
             for logger in trainer.loggers:
                 logger.log_metrics(figures, step=trainer.global_step)
         self.unwrapped = trainer.strategy.model is pl_module
-        self.tracker = Tracker(trainer.strategy.model, optimizer, out=self.out, every=self.every,
+        self.tracker = Tracker(trainer.strategy.model, optimizers or None, out=self.out, every=self.every,
                                overwrite=self.overwrite, log_to=to_loggers if self.log and trainer.loggers else None,
                                forward_hooks=not self.unwrapped)
 

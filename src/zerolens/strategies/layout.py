@@ -205,6 +205,18 @@ class Layout:
         return [[self.param_numels[i] for i in group] for group in self.param_groups]
 
     @property
+    def stepped_numels(self) -> list[int]:
+        """The sizes of the parameters the optimizer steps, each group's in turn: with groups given,
+        those in them (a loop may leave a parameter that trains out of its optimizer), else all that train."""
+        return [n for group in self.trained_groups for n in group]
+
+    @property
+    def stepped_shapes(self) -> list[tuple[int, ...]] | None:
+        if self.param_groups is None or self.param_shapes is None:
+            return self.trained_shapes
+        return [self.param_shapes[i] for group in self.param_groups for i in group]
+
+    @property
     def trained_psi(self) -> int:
         return sum(self.trained_numels)
 
@@ -241,9 +253,9 @@ def retained(param_bytes: int, grad_bytes_after_backward: int, grad_bytes_after_
 
 def torch_ddp_layout(x: Layout) -> dict:
     """The weights as built (fp32 under autocast) and gradients of their dtype; the buckets mirror
-    the gradients; AdamW's two moments in the weights' dtype."""
-    psi, trained, w = x.psi, x.trained_psi, x.weight_bytes
-    return retained(w * psi, w * trained, 0, 2 * w * trained + STEP_COUNTER * len(x.trained_numels), w * trained,
+    the gradients; AdamW's two moments in the weights' dtype, of the parameters it steps."""
+    psi, trained, w, stepped = x.psi, x.trained_psi, x.weight_bytes, x.stepped_numels
+    return retained(w * psi, w * trained, 0, 2 * w * sum(stepped) + STEP_COUNTER * len(stepped), w * trained,
                     trained)
 
 
@@ -302,6 +314,7 @@ def fsdp2_layout(x: Layout) -> dict:
         raise ValueError("FSDP2's layout needs the parameters' shapes (param_shapes)")
     padded, _ = fsdp2_shard_elements(x.param_shapes, x.world_size, x.rank)
     trained_padded, trained_held = fsdp2_shard_elements(x.trained_shapes, x.world_size, x.rank)
+    _, stepped_held = fsdp2_shard_elements(x.stepped_shapes, x.world_size, x.rank)
     w = x.weight_bytes
-    return retained(w * padded, w * trained_padded, 0, 2 * w * trained_held + STEP_COUNTER * len(x.trained_numels), 0,
+    return retained(w * padded, w * trained_padded, 0, 2 * w * stepped_held + STEP_COUNTER * len(x.stepped_numels), 0,
                     trained_held)

@@ -147,6 +147,36 @@ def logged_figures(record: dict) -> dict[str, float]:
     return figures
 
 
+class Optimizers:
+    """The optimizers one loop steps (zerolens.track(model, [adamw, sgd])), seen as one where zerolens
+    reads an optimizer: the census its states (census.optimizer_state_tensors: `state`, each
+    optimizer's kept apart, so a parameter two of them step counts in both), the prediction its
+    parameter groups (`param_groups`, in the optimizers' order)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> dict:
+        return {(i, p): state for i, o in enumerate(self.optimizers) for p, state in o.state.items()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for o in self.optimizers for group in o.param_groups]
+
+    def __str__(self) -> str:
+        return ", ".join(type(o).__name__ for o in self.optimizers)
+
+
+def optimizers_of(optimizer) -> list[torch.optim.Optimizer] | None:
+    """The torch optimizers the user gave track (one, or a list or tuple of them), None where that is
+    not what they gave."""
+    given = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+    if not given or not all(isinstance(o, torch.optim.Optimizer) for o in given):
+        return None
+    return given
+
+
 class Tracker:
     def __init__(self, trained, optimizer, *, out: str | Path | None, every: int, overwrite: bool, log_to=None,
                  forward_hooks: bool = True):
@@ -156,13 +186,20 @@ class Tracker:
         self.log_figures = log_figures if world()[0] == 0 else None
         if any(c.__name__ == "FullyShardedDataParallel" for c in type(trained).__mro__):
             raise UserError("zerolens.track: FSDP1 (FullyShardedDataParallel) is not measured; FSDP2 (fully_shard) is")
+        # Several optimizers (one for the embeddings, another for the rest, say): one step of the loop
+        # steps each (_step_ends), and the census and the prediction see them as one (Optimizers).
+        self.optimizers = optimizers_of(optimizer) or []
+        if self.optimizers:
+            optimizer = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
         strategy = registry.adopt(trained, optimizer)
         if strategy is None:
             raise UserError(f"zerolens.track: cannot track a {type(trained).__name__}; give it the model the loop "
                             "trains (a module, DDP-wrapped or under fully_shard) or a DeepSpeed engine")
         self.engine = trained if hasattr(strategy, "engine") else None
-        if self.engine is None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise UserError("zerolens.track needs the optimizer the loop steps: zerolens.track(model, optimizer)")
+        if self.engine is None and not self.optimizers:
+            raise UserError("zerolens.track needs the optimizer the loop steps: zerolens.track(model, optimizer), "
+                            "or a list of them where it steps several")
+        self.stepped: set[int] = set()  # the optimizers that have stepped in the step under way (ids)
         self.strategy, self.trained, self.every = strategy, trained, every
         self.rank, self.world_size = world()
         self.device = strategy.device
@@ -191,7 +228,8 @@ class Tracker:
         numels, _ = parameter_sizes(self.strategy.module)
         first = next(self.strategy.module.parameters())
         config = {"command": "zerolens.track", "strategy": self.strategy.name, "trained": type(self.trained).__name__,
-                  "optimizer": type(getattr(self.engine, "optimizer", None) or self.strategy.optimizer).__name__,
+                  "optimizer": type(self.engine.optimizer).__name__ if self.engine is not None
+                  else str(Optimizers(self.optimizers)),
                   "world_size": self.world_size, "device": self.device.type, "every": self.every,
                   "param_count": sum(numels), "weights": str(first.dtype).removeprefix("torch."),
                   "precision": self.strategy.settings.precision, "grad_accum": self.strategy.settings.grad_accum}
@@ -213,10 +251,10 @@ class Tracker:
         if self.engine is not None:
             self._undo.append(patched(self.engine, "step", self._engine_step(self.engine.step)))
         else:
-            before = self.strategy.optimizer.register_step_pre_hook(
-                lambda *a: self._measuring(self._optimizer_step_begins, *a))
-            after = self.strategy.optimizer.register_step_post_hook(lambda *_: self._measuring(self._step_ends))
-            self._undo += [before.remove, after.remove]
+            for optimizer in self.optimizers:
+                before = optimizer.register_step_pre_hook(lambda *a: self._measuring(self._optimizer_step_begins, *a))
+                after = optimizer.register_step_post_hook(lambda o, *_: self._measuring(self._optimizer_step_ends, o))
+                self._undo += [before.remove, after.remove]
 
     def _measuring(self, work, *args):
         """`work(*args)`, zerolens's own part of a hook: an error in it ends the measuring, never the user's
@@ -272,6 +310,7 @@ class Tracker:
         return tracked_backward
 
     def _backward_begins(self) -> None:
+        self._step_left_open()
         self._close_phase("forward")
         self._open_phase("backward")
 
@@ -286,6 +325,7 @@ class Tracker:
     def _forward_begins(self, module, args) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # an evaluation's forward
+        self._step_left_open()
         self.strategy.before_forward()
         if self.after_step_pending:
             self._finish_record()
@@ -307,14 +347,33 @@ class Tracker:
         closure, forward and backward, inside it: the step begins when the closure has returned."""
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: the optimizer
         if closure is None:
-            self._step_begins()
+            self._step_begins_once()
             return None
 
         def closure_then_step_begins():
             loss = closure()
-            self._measuring(self._step_begins)
+            self._measuring(self._step_begins_once)
             return loss
         return (args[:1], {**kwargs, "closure": closure_then_step_begins})
+
+    def _step_begins_once(self) -> None:
+        """The loop's step begins at its first optimizer's step (of several: the first to step)."""
+        if not self.stepped:
+            self._step_begins()
+
+    def _optimizer_step_ends(self, optimizer) -> None:
+        """A torch optimizer's step post-hook: the loop's step ends when each of its optimizers has stepped."""
+        self.stepped.add(id(optimizer))
+        if len(self.stepped) == len(self.optimizers):
+            self.stepped = set()
+            self._step_ends()
+
+    def _step_left_open(self) -> None:
+        """A loop that steps some of its optimizers less often than the others (every other step, say):
+        its step ended with the last optimizer it stepped, before this forward or backward."""
+        if self.stepped:
+            self.stepped = set()
+            self._step_ends()
 
     def _step_begins(self) -> None:
         if self.record is None:
@@ -370,6 +429,7 @@ class Tracker:
         """Hooks off; the last sampled step written where it is whole. Without an error the ranks meet
         and rank 0 writes the report and prints its table; with one, this rank says what ended it
         (logs/rank<r>.error), and rank 0 writes the report as it stands."""
+        self._measuring(self._step_left_open)
         if self.after_step_pending:  # the step ended whole, the error (if any) came after it
             self._measuring(self._finish_record, True)
         self._unhook()
@@ -418,6 +478,12 @@ class Tracker:
                 # From a sampled step's first forward to the next forward: what one measured step costs.
                 "seconds_of_sampled_steps": [rec["seconds_sampled_step"] for rec in records]})
         errors = {p.stem: p.read_text().strip() for p in sorted((self.out / "logs").glob("rank*.error"))}
+        unstepped = self.trained_outside_the_optimizers()
+        if unstepped:
+            notes.append(f"{unstepped} of the model's trained parameters (requires_grad) in none of the optimizers "
+                         "given to track, whose states are counted (and predicted) for their own parameters alone: "
+                         "where another optimizer steps them, give track that one too: "
+                         "zerolens.track(model, [optimizer, other])")
         why_not = self.not_predicted()
         if why_not:
             notes.append(f"Retained memory not predicted: {why_not}.")
@@ -475,17 +541,28 @@ class Tracker:
         registered strategies with torch's AdamW (or DeepSpeed's Adam, which keeps the same states)."""
         if not self.registered:
             return "a module no data-parallel backend wraps is not a registered strategy"
-        optimizer = self.engine.basic_optimizer if self.engine is not None else self.strategy.optimizer
-        if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and "Adam" not in type(optimizer).__name__:
-            return (f"the layouts are modelled for Adam's two states per parameter, and the optimizer is "
-                    f"{type(optimizer).__name__}")
+        optimizers = [self.engine.basic_optimizer] if self.engine is not None else self.optimizers
+        others = [type(o).__name__ for o in optimizers
+                  if not isinstance(o, torch.optim.Adam | torch.optim.AdamW) and "Adam" not in type(o).__name__]
+        if others:
+            return (f"the layouts are modelled for Adam's two states per parameter, and the loop steps "
+                    f"{', '.join(others)}")
         return None
+
+    def trained_outside_the_optimizers(self) -> int:
+        """How many of the module's parameters that train no optimizer given to track holds (0 for a
+        DeepSpeed engine, whose optimizer holds what it trains)."""
+        if self.engine is not None:
+            return 0
+        held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
+        return sum(p.requires_grad and id(p) not in held for p in self.strategy.module.parameters())
 
     def parameter_groups(self) -> list[tuple[int, ...]] | None:
         """The optimizer's parameter groups as layout.Layout.param_groups wants them (indices of the
-        module's parameters that train, in each group's order), None where there is one: a torch
-        optimizer's param_groups; a DeepSpeed engine's original groups, which ZeRO-1/2 keep as
-        bit16_groups and ZeRO-3 as fp16_groups (its basic optimizer holds the flat partitions)."""
+        module's parameters that train, in each group's order), None where one group steps every
+        parameter that trains: a torch optimizer's param_groups (of several optimizers, each one's in
+        turn); a DeepSpeed engine's original groups, which ZeRO-1/2 keep as bit16_groups and ZeRO-3
+        as fp16_groups (its basic optimizer holds the flat partitions)."""
         index = {id(p): i for i, p in enumerate(self.strategy.module.parameters())}
         if self.engine is None:
             groups = [group["params"] for group in self.strategy.optimizer.param_groups]
@@ -496,7 +573,8 @@ class Tracker:
                 return None
         indices = [tuple(index[id(p)] for p in group if id(p) in index and p.requires_grad) for group in groups]
         indices = [group for group in indices if group]
-        return indices if len(indices) > 1 else None
+        trained = sum(p.requires_grad for p in self.strategy.module.parameters())
+        return None if len(indices) == 1 and len(indices[0]) == trained else indices
 
     def weight_bytes(self) -> int:
         """The element size of the weights as the model was built: DeepSpeed builds its masters in fp32
