@@ -417,6 +417,45 @@ def test_an_error_of_zerolens_in_a_hook_ends_the_measuring_not_the_training(tmp_
     assert not model._forward_pre_hooks and torch.autograd.backward.__module__ == "torch.autograd"
 
 
+
+def test_an_error_of_zerolens_before_the_first_step_ended_is_what_the_report_says(tmp_path):
+    """Not "the optimizer took no step": the report names zerolens's own error, which ended the measuring."""
+    from zerolens.measure.census import MeasurementError
+    model, optimizer = tiny_model_and_optimizer()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=1) as tracker:
+        def broken():
+            raise MeasurementError("a buffer moved")
+        tracker.strategy.holdings = broken
+        train_steps(model, optimizer, 2)
+    report = " ".join((tmp_path / "run" / "report.md").read_text().split())
+    assert "rank0: zerolens.track stopped measuring at step 0: MeasurementError: a buffer moved; the training went on." \
+        in report
+    assert "No step was measured: zerolens stopped measuring (above) before the first sampled step ended." in report
+    assert "took no step" not in report
+
+
+def compiled_loops(rank, world_size, out):
+    """torch.compile around DDP and around fully_shard, as users write them: track gets the compiled
+    wrapper (its forward hooks stay outside the compiled code) and recognises the backend inside."""
+    from torch.distributed.fsdp import fully_shard
+    for name in ("ddp", "fsdp2"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+        wrapped = nn.parallel.DistributedDataParallel(model) if name == "ddp" else fully_shard(model)
+        trained = torch.compile(wrapped, backend="eager")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with zl.track(trained, optimizer, out=out / name, every=1):
+            train_steps(trained, optimizer, 3)
+
+
+def test_a_compiled_ddp_or_fsdp2_model_is_tracked_as_its_backend(tmp_path):
+    spawn(compiled_loops, tmp_path, timeout=240)
+    for name in ("ddp", "fsdp2"):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["strategy"] == name and not summary["errors"], summary
+        assert summary["strategies"][name]["ranks"][0]["sampled_steps"] == [0, 1, 2]
+        assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"]), summary["checks"]
+
 def test_fsdp1_is_refused_in_one_line(tmp_path):
     """FSDP1 wraps the model in a module of its own, which track would otherwise take for a plain module."""
     class FullyShardedDataParallel(nn.Module):  # FSDP1's class name, without a process group to build one

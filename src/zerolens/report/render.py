@@ -297,6 +297,18 @@ def largest_rank(ranks: list[dict]) -> dict:
     return max(ranks, key=lambda r: (r["peak_bytes"] or 0, census_after_step(r) + r["grad_bytes_after_backward"]))
 
 
+def why_no_step(summary: dict, stopped: bool) -> str:
+    """Why a tracked run has no sampled step. `stopped`: zerolens's own error ended the measuring."""
+    if stopped:
+        return "zerolens stopped measuring (above) before the first sampled step ended."
+    if summary["steps_seen"]:
+        return (f"{summary['steps_seen']} optimizer steps were seen, but no training forward (in training mode, "
+                "gradients on) of the module track was given. track takes a step's start from that module's "
+                "forward: a loop that calls one of its submodules, or a method of its own other than forward, "
+                "gives it none. Give track the module whose forward the loop calls.")
+    return "the optimizer given to track took no step: is it the one the loop steps?"
+
+
 def tracked_report(summary: dict) -> str:
     """report.md of a tracked run: every rank's figures over its sampled steps, the prediction beside
     the census where there is one, the checks."""
@@ -316,15 +328,13 @@ def tracked_report(summary: dict) -> str:
     errors = "".join(f"\n- {rank}: {text}" for rank, text in summary["errors"].items())
     unfinished = {"UNFINISHED": "\nThe loop is still running, or ended without leaving track: figures so far.\n",
                   "CRASHED": f"\nThe loop ended with an error:{errors}\n"}.get(summary["verdict"], "")
+    stopped = [f"{rank}: {text}" for rank, text in summary["errors"].items()
+               if summary["verdict"] != "CRASHED" and text.startswith("zerolens.track stopped measuring")]
     missing = summary["ranks_without_a_sampled_step"]
+    if stopped:  # zerolens's own error in a hook; the training went on
+        notes += "".join(f"\n> {line}; the training went on.\n" for line in stopped)
     if not ranks:  # what the terminal's "no step was measured" refers to
-        notes += ("\n> No step was measured: " + (
-            f"{summary['steps_seen']} optimizer steps were seen, but no training forward (in training mode, "
-            "gradients on) of the module track was given. track takes a step's start from that module's "
-            "forward: a loop that calls one of its submodules, or a method of its own other than forward, "
-            "gives it none. Give track the module whose forward the loop calls."
-            if summary["steps_seen"] else "the optimizer given to track took no step: is it the one the loop "
-            "steps?") + "\n")
+        notes += f"\n> No step was measured: {why_no_step(summary, bool(stopped))}\n"
     every = summary["every"]
     sampled = "every step" if every == 1 else f"the first step, then one in every {every}"
     return f"""# zerolens.track: {summary['verdict']}

@@ -184,18 +184,21 @@ class Tracker:
             raise UserError(f"zerolens.track: every={every!r}; give a whole number of steps, 1 or more")
         log_figures = figures_sink(log_to)  # on every rank: a UserError must end them all
         self.log_figures = log_figures if world()[0] == 0 else None
-        if any(c.__name__ == "FullyShardedDataParallel" for c in type(trained).__mro__):
+        # torch.compile(model) wraps the model it compiles (OptimizedModule, `_orig_mod`): the backend is
+        # recognised in the model inside, and the hooks go on the wrapper, outside the compiled code.
+        inner = getattr(trained, "_orig_mod", trained)
+        if any(c.__name__ == "FullyShardedDataParallel" for c in type(inner).__mro__):
             raise UserError("zerolens.track: FSDP1 (FullyShardedDataParallel) is not measured; FSDP2 (fully_shard) is")
         # Several optimizers (one for the embeddings, another for the rest, say): one step of the loop
         # steps each (_step_ends), and the census and the prediction see them as one (Optimizers).
         self.optimizers = optimizers_of(optimizer) or []
         if self.optimizers:
             optimizer = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
-        strategy = registry.adopt(trained, optimizer)
+        strategy = registry.adopt(inner, optimizer)
         if strategy is None:
             raise UserError(f"zerolens.track: cannot track a {type(trained).__name__}; give it the model the loop "
                             "trains (a module, DDP-wrapped or under fully_shard) or a DeepSpeed engine")
-        self.engine = trained if hasattr(strategy, "engine") else None
+        self.engine = inner if hasattr(strategy, "engine") else None
         if self.engine is None and not self.optimizers:
             raise UserError("zerolens.track needs the optimizer the loop steps: zerolens.track(model, optimizer), "
                             "or a list of them where it steps several")
