@@ -20,6 +20,18 @@ def one_line_error(error: Exception) -> str:
     return text[0] if text else type(error).__name__
 
 
+@contextlib.contextmanager
+def users_code(what: str):
+    """Whatever the user's code raises inside (their model, batch function or factory: theirs to fix),
+    as one UserError line, "what: Type: its first line"; a UserError goes through as it is."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{what}: {type(e).__name__}: {one_line_error(e)}") from None
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT (Ctrl-C) or SIGTERM reached the `zerolens` process: what runs is ended (every rank and
     pool process), an unfinished run folder says so, and the command exits 128 + the signal's number

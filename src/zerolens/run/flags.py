@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from zerolens.errors import UserError, one_line_error
+from zerolens.errors import UserError, users_code
 from zerolens.models.hf import PREFIX as HF_PREFIX
 from zerolens.models.hf import model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig, load_user_function, returns_causal_lm
@@ -207,10 +207,8 @@ def user_model_from_args(args: argparse.Namespace) -> ModelConfig:
         load_user_function(args.model)
     except ValueError as e:
         raise UserError(str(e)) from None
-    try:
+    with users_code("--model/--batch"):
         causal_lm = returns_causal_lm(args.model)
-    except Exception as e:  # the user's code: whatever it raises is theirs to fix, said in one line
-        raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
     return ModelConfig(kind="user", factory=args.model, batch=args.batch, shift_labels=causal_lm)
 
 

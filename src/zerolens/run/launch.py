@@ -202,6 +202,8 @@ class RankExits(threading.Thread):
         self.logs, self.nproc, self.started = logs, nproc, started
         self.ended: dict[int, float] = {}
         self.stop = threading.Event()
+        self.own: set[int] = set()  # rank_pids, as last scanned (at most once a second: a scan reads all of /proc)
+        self.scanned = 0.0
 
     def finish(self) -> None:
         """Stopped and joined, once every rank that has ended has been seen to."""
@@ -229,13 +231,13 @@ class RankExits(threading.Thread):
                 os.close(fd)
 
     def watch_new(self, watching: dict[int, int]) -> None:
-        own = None
         for rank in set(range(self.nproc)) - set(watching.values()) - set(self.ended):
             beat = read_heartbeat(self.logs, rank)
             if beat is None or beat.get("time", 0) < self.started:
                 continue  # not started yet, met half written, or an earlier launch's
-            own = set(rank_pids()) if own is None else own
-            if beat.get("pid") in own:
+            if beat.get("pid") not in self.own and time.time() - self.scanned >= 1:
+                self.own, self.scanned = set(rank_pids()), time.time()
+            if beat.get("pid") in self.own:
                 with contextlib.suppress(OSError):
                     watching[os.pidfd_open(beat["pid"])] = rank
 

@@ -14,7 +14,7 @@ import os
 import torch
 
 from zerolens.compat import check_supported
-from zerolens.errors import UserError, one_line_error
+from zerolens.errors import UserError, one_line_error, users_code
 from zerolens.models.data import make_batch
 from zerolens.models.model import (
     MIXED_WEIGHTS,
@@ -76,12 +76,8 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
 
 def check_user_model(model: ModelConfig, global_batch: int, seed: int) -> None:
     """check_model_contract, where whatever the user's code raises is theirs to fix, said in one line."""
-    try:
+    with users_code("--model/--batch"):
         check_model_contract(model, global_batch, seed)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"--model/--batch: {type(e).__name__}: {one_line_error(e)}") from None
 
 
 def check_model_contract(model: ModelConfig, global_batch: int, seed: int) -> None:
