@@ -295,3 +295,27 @@ def test_depth_scaling_is_said_per_rank_where_layouts_differ_in_it():
     entry = {"ranks": [{"rank": r} for r in range(2)]}
     add_peaks(entry, "fsdp2", {"ranks": [scaled, scaled]}, None)
     assert "depth_scaled_ranks" not in entry and "why_not_depth_scaled" not in entry
+
+
+def test_a_reduce_bucket_larger_than_the_gradients_is_said(capsys):
+    """verify's bucket note, before any run: ZeRO's bucket of 5e7 elements against a small model's gradients,
+    with the peaks where they are predicted (here they are not: a parameter count)."""
+    assert main(["estimate", "--params", "2e6", "--nproc", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("zero1, zero2, zero3: the reduce bucket, 5e+07 elements (95.4 MiB in fp16), outweighs all 3.81 MiB of "
+            "this model's gradients. Try --reduce-bucket-size 5e+05") in out
+    assert main(["estimate", "--params", "2e6", "--nproc", "4", "--reduce-bucket-size", "5e5"]) == 0
+    assert "outweighs" not in capsys.readouterr().out
+    assert run_json(capsys, "--params", "2e6", "--nproc", "4")["trained_params"] == 2e6
+
+
+def test_the_bucket_note_puts_the_peaks_beside_the_baselines():
+    from zerolens.commands.estimate import bucket_note
+    ranks = lambda *peaks: [{"peak_bytes": p} for p in peaks]  # noqa: E731
+    result = {"precision": "bf16", "reduce_bucket_size": 5e7, "trained_params": 3950, "world_size": 2,
+              "strategies": {"ddp": {"ranks": ranks(65 * 2**20, 65 * 2**20)},
+                             "zero2": {"ranks": ranks(150 * 2**20, 160 * 2**20)}, "fsdp2": {"ranks": ranks(64 * 2**20)}}}
+    assert bucket_note(result) == (
+        "zero2: the reduce bucket, 5e+07 elements (95.4 MiB in bf16), outweighs all 7.71 KiB of this model's "
+        "gradients; peak 160 MiB under zero2, against 65.0 MiB under ddp. Try --reduce-bucket-size 1e+03: at most "
+        "one rank's share of the gradients.")

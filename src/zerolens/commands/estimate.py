@@ -61,7 +61,9 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     that predict the strategies' peaks in parallel (commands/workers.py)."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
-    out = {"params": psi, "param_tensors": len(param_numels) if param_numels else None,
+    trained = psi if param_numels is None or trainable is None else \
+        sum(n for n, trains in zip(param_numels, trainable) if trains)
+    out = {"params": psi, "trained_params": trained, "param_tensors": len(param_numels) if param_numels else None,
            "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
            "strategies": {}}
     settings = TrainSettings(precision=precision, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum,
@@ -189,7 +191,8 @@ def render_estimate(result: dict) -> list:
             f"The ZeRO paper's model states (16-bit, K = 12) also in {paper_words}. "
             "Activations are not included.",
             terminal_table(["strategy", "params", "grads", "optimizer", "buffers", "kept total", "paper",
-                            f"paper {paper_label}", "DeepSpeed"], rows, right=set(range(1, 9)))]
+                            f"paper {paper_label}", "DeepSpeed"], rows, right=set(range(1, 9))),
+            *([bucket_note(result)] if bucket_note(result) else [])]
     keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
             "transient_reduce_bucket_bytes", "retained_total_bytes")
     cuda = result["device"] == "cuda"
@@ -241,7 +244,34 @@ def render_estimate(result: dict) -> list:
           f"scaled from shallow traces ({e['why_not_depth_scaled']})." for name, e in entries.items()
           if "why_not_depth_scaled" in e),
         *(f"No \"needs\" for {name} rank {r['rank']}: {r['allocator_not_replayed']}." for name, _, r in shown
-          if "allocator_not_replayed" in r)]
+          if "allocator_not_replayed" in r),
+        *([bucket_note(result)] if bucket_note(result) else [])]
+
+
+def bucket_note(result: dict) -> str | None:
+    """The case study's pitfall, as verify says it (report.summary.bucket_notes): a reduce bucket larger
+    than all the gradients, which makes the strategies that allocate one need more than those that
+    do not; their highest peaks beside the baseline's where the peaks were predicted."""
+    from zerolens.report.summary import recommended_bucket
+    from zerolens.units import size
+    element = ELEMENT_BYTES[result["precision"]]
+    bucket, grads = result["reduce_bucket_size"] * element, result["trained_params"] * element
+    entries = result["strategies"]
+    with_bucket = [name for name in entries if registry.spec(name).reduce_bucket is not None]
+    if bucket <= grads or not with_bucket:
+        return None
+
+    def peak(name: str) -> int | None:
+        peaks = [r.get("peak_bytes") for r in entries[name]["ranks"] or []]
+        return max(peaks) if peaks and None not in peaks else None
+    base = next((name for name in entries if registry.spec(name).reduce_bucket is None and peak(name)), None)
+    peaks = "" if base is None or None in map(peak, with_bucket) else (
+        f"; peak {', '.join(f'{size(peak(name))} under {name}' for name in with_bucket)}, against "
+        f"{size(peak(base))} under {base}")
+    return (f"{', '.join(with_bucket)}: the reduce bucket, {result['reduce_bucket_size']:.3g} elements "
+            f"({size(bucket)} in {result['precision']}), outweighs all {size(grads)} of this model's gradients"
+            f"{peaks}. Try --reduce-bucket-size {recommended_bucket(int(result['trained_params']), result['world_size']):.0e}: "
+            "at most one rank's share of the gradients.")
 
 
 def needs(rank: dict, setting: str) -> int | None:
