@@ -265,6 +265,15 @@ def test_a_ratio_is_the_median_of_the_rounds_with_their_range():
     assert "1.25 (1.20-1.30)" in text and "x 3 interleaved rounds" in text
 
 
+
+def test_an_overhead_whose_rounds_hold_zero_is_none_measurable():
+    """Tiny steps on a CPU: zerolens faster than the reference loop in one round, slower in another."""
+    from zerolens.report.bench import overhead_text
+    assert overhead_text({"harness_overhead": 0.01, "harness_overhead_range": [-0.02, 0.05]}) == \
+        "+1.00% (-2.00% to +5.00%, none measurable)"
+    assert overhead_text({"harness_overhead": 0.01, "harness_overhead_range": [0.005, 0.05]}) == \
+        "+1.00% (+0.50% to +5.00%)"
+
 @pytest.mark.slow
 def test_fsdp2s_reference_loop_trains_what_fsdp2_trains(tmp_path):
     """FSDP2's reference loop (fully_shard per block and the root, written without zerolens) beside

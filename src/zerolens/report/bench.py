@@ -346,8 +346,11 @@ def step_ratio_text(name: str, vs: dict | None, digits: int = 3) -> str:
 
 
 def overhead_text(s: dict) -> str:
+    """The overhead's median and range over the rounds; one whose rounds hold 0 (the harness faster in
+    some, slower in others: tiny steps on a CPU) is no measurable overhead, as a ratio's range holding 1."""
     low, high = s["harness_overhead_range"]
-    return f"{s['harness_overhead']:+.2%}" + ("" if low == high else f" ({low:+.2%} to {high:+.2%})")
+    return f"{s['harness_overhead']:+.2%}" + ("" if low == high else f" ({low:+.2%} to {high:+.2%}"
+                                              + (", none measurable)" if low <= 0 <= high else ")"))
 
 
 def measured_mfu_text(summary: dict) -> str:
