@@ -719,16 +719,26 @@ class DeepSpeedStepModel(Strategy):
             p.grad = None
 
     def _reduce_bucket(self) -> None:
-        """reduce_ipg_grads: average_tensor reduces a flat copy of the bucket's gradients
-        (use_multi_rank_bucket_allreduce -> allreduce_and_scatter -> allreduce_bucket: self.flatten,
-        a new tensor, dropped once the reduced values are copied back); then the gradients of the
-        parameters in the rank's partition go into its gradient buffer (copy_grads_in_partition,
-        which makes the buffer at its first call: at the first reduction holding such a parameter)."""
-        elements = sum(p.numel() for p in self.pending)
-        if elements:
-            flat = torch.empty(elements, dtype=self.dtype, device=self.device)
-            self.collective_buffer_sizes += [flat.nbytes, *(n * flat.element_size() for n in self._slices_per_rank())]
-            del flat
+        """reduce_ipg_grads: average_tensor cuts the bucket's gradients into slices, one per rank's
+        stretch (consecutive pieces for the same rank merged), and all-reduces them in groups
+        (use_multi_rank_bucket_allreduce -> allreduce_and_scatter: a group closes once it holds more
+        than reduce_bucket_size elements), each through a flat copy (allreduce_bucket: self.flatten, a
+        new tensor, dropped once the reduced values are copied back), but a group of one slice, which
+        _flatten_dense_tensors returns as a view of it (a bucket whose gradients all belong to one
+        rank's stretch, or one larger than the bucket: no copy); then the gradients of the parameters
+        in the rank's partition go into its gradient buffer (copy_grads_in_partition, which makes the
+        buffer at its first call: at the first reduction holding such a parameter)."""
+        slices = self._slices_per_rank()
+        group: list[int] = []
+        for i, elements in enumerate(slices):
+            group.append(elements)
+            if sum(group) > self.settings.reduce_bucket_size or i == len(slices) - 1:
+                if len(group) > 1:
+                    flat = torch.empty(sum(group), dtype=self.dtype, device=self.device)
+                    self.collective_buffer_sizes.append(flat.nbytes)
+                    del flat
+                group = []
+        self.collective_buffer_sizes += [n * self.dtype.itemsize for n in slices]  # gloo's copies of the slices
         with self.rank_own("grad-buffer", tuple(self.param_index[id(p)] for p in self.pending)):
             if self.grads_in_partition is None and any(id(p) in self.in_partition_ids for p in self.pending):
                 self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
