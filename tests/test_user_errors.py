@@ -16,6 +16,7 @@ from zerolens.cli import main
     (["--device", "cpu", "--precision", "fp16"], "fp16 is not supported on CPU"),
     (["--baseline", "ddp"], "--baseline ddp is not among --strategies"),
     (["--steps", "x"], "invalid int value"),
+    (["--batch", "nosuch:fn"], "--batch goes with --model"),  # the case study would have run, and PASSed
 ])
 def test_user_error_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     """In-process: nothing is launched for these."""
@@ -108,6 +109,8 @@ def test_bad_timeout_and_fault_variable(cli, tmp_path):
     (["bench", "--global-batch", "20", "--grad-accum", "4"],
      "--global-batch 20 is not divisible by 2 processes x 4 accumulated micro-batches"),
     (["bench", "--steps", "0"], "--steps (timed steps) must be at least 1, got 0"),
+    (["plan", "--gpu-memory", "2GiB", "--batch", "nosuch:fn"], "--batch goes with --model"),
+    (["bench", "--preset", "gpt-tiny", "--batch", "nosuch:fn"], "--batch goes with --model"),
 ])
 def test_every_setting_is_checked_before_any_worker_starts(argv, message, tmp_path, capsys):
     """In-process: these end before anything is launched or written."""

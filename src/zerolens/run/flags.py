@@ -155,6 +155,8 @@ def model_from_args(args: argparse.Namespace, compile_blocks: bool | None = None
         return hf_model_from_args(args)
     if getattr(args, "model", None):
         return user_model_from_args(args)
+    if getattr(args, "batch", None):  # without --model it would feed nothing, and the preset would run instead
+        raise UserError("--batch goes with --model module:factory (your own model); a preset makes its own batches")
     model = PRESETS[args.preset]
     changes = {}
     for flag, name, value in (("--width", "d_model", args.width), ("--depth", "num_layers", args.depth),
