@@ -149,6 +149,48 @@ def several_optimizers(rank, world_size, out):
                 other.zero_grad()
 
 
+
+def ddp_loops_users_write(rank, world_size, out):
+    """DDP as users set it up: gradients as views of the buckets; a layer the forward skips, under
+    find_unused_parameters; AMSGrad and NAdam (states the layouts do not model); the wrapper left in
+    eval mode around a module in training mode (what Lightning does after a validation)."""
+    class Skipping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+            self.unused = nn.Linear(16, 16)
+
+        def forward(self, tokens):
+            return self.inner(tokens)
+    for case in ("bucket-view", "unused", "amsgrad", "nadam", "wrapper-in-eval"):
+        torch.manual_seed(0)
+        model = Skipping() if case == "unused" else nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+        trained = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=case == "bucket-view",
+                                                      find_unused_parameters=case == "unused")
+        optimizer = (torch.optim.NAdam(model.parameters()) if case == "nadam" else
+                     torch.optim.AdamW(model.parameters(), amsgrad=case == "amsgrad"))
+        if case == "wrapper-in-eval":
+            trained.eval()
+            model.train()
+        with zl.track(trained, optimizer, out=out / case, every=1):
+            train_steps(trained, optimizer, 3)
+
+
+def test_ddp_set_up_as_users_do_is_predicted_or_says_why_not(tmp_path):
+    spawn(ddp_loops_users_write, tmp_path, timeout=240)
+    summaries = {case: json.loads((tmp_path / case / "summary.json").read_text())
+                 for case in ("bucket-view", "unused", "amsgrad", "nadam", "wrapper-in-eval")}
+    for case in ("bucket-view", "wrapper-in-eval"):
+        summary = summaries[case]
+        assert summary["strategies"]["ddp"]["ranks"][0]["sampled_steps"] == [0, 1, 2], case
+        assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"]), (case, summary["checks"])
+    assert summaries["bucket-view"]["strategies"]["ddp"]["ranks"][0]["comm_buffer_bytes_after_backward"] == 0
+    reasons = {"unused": "2 of the parameters that train had no gradient after a sampled step's backward",
+               "amsgrad": "and the loop steps AdamW (amsgrad)", "nadam": "and the loop steps NAdam"}
+    for case, reason in reasons.items():
+        summary = summaries[case]
+        assert summary["checks"] == [] and any(reason in note for note in summary["notes"]), (case, summary["notes"])
+
 def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_path):
     spawn(several_optimizers, tmp_path, timeout=240)
     embedding, head = 32 * 16, 16 * 32 + 32  # elements
@@ -276,10 +318,11 @@ def test_a_folder_zerolens_did_not_make_is_left_alone(tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
     model, optimizer = tiny_model_and_optimizer()
-    with pytest.raises(UserError, match="already exists"):
+    with pytest.raises(UserError, match="already exists and is not empty; choose another out=, or replace it with "
+                                         "overwrite=True"):  # track's own arguments, not verify's flags
         with zl.track(model, optimizer, out=mine):
             pass
-    with pytest.raises(UserError, match="not created by zerolens"):
+    with pytest.raises(UserError, match="overwrite=True: .* not created by zerolens"):
         with zl.track(model, optimizer, out=mine, overwrite=True):
             pass
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -33,20 +33,22 @@ def is_run_folder(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def new_run_folder(out: Path, overwrite: bool = False) -> Path:
+def new_run_folder(out: Path, overwrite: bool = False, names: tuple[str, str] = ("--out", "--overwrite")) -> Path:
     """An empty, marked run folder at `out`. An existing non-empty folder is replaced only with
     `overwrite`, and only if zerolens created it; anything else is a UserError and nothing is
-    touched."""
+    touched. `names`: what the caller calls `out` and `overwrite` (the flags, or zerolens.track's
+    arguments)."""
+    out_name, overwrite_name = names
     if out.is_symlink():
-        raise UserError(f"--out {out} is a symbolic link; give the folder it points to, or another --out")
+        raise UserError(f"{out_name} {out} is a symbolic link; give the folder it points to, or another {out_name}")
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder; choose another --out")
+        raise UserError(f"{out_name} {out} is a file, not a folder; choose another {out_name}")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise UserError(f"run folder {out} already exists and is not empty; choose another --out, "
-                            "or replace it with --overwrite")
+            raise UserError(f"run folder {out} already exists and is not empty; choose another {out_name}, "
+                            f"or replace it with {overwrite_name}")
         if not is_run_folder(out):
-            raise UserError(f"--overwrite: {out} was not created by zerolens (it has no {MARKER} marker; run "
+            raise UserError(f"{overwrite_name}: {out} was not created by zerolens (it has no {MARKER} marker; run "
                             "folders from before zerolens marked them have none either); not deleting it")
         shutil.rmtree(out)
     try:

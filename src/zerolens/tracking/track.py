@@ -84,7 +84,7 @@ def run_folder_of_rank0(out: Path | None, overwrite: bool) -> Path:
     made = [None, None]  # the folder, or the error
     if world()[0] == 0:
         try:
-            made[0] = str(new_run_folder(out or default_run_folder(), overwrite))
+            made[0] = str(new_run_folder(out or default_run_folder(), overwrite, names=("out=", "overwrite=True")))
         except UserError as error:
             made[1] = str(error)
     if world()[1] > 1:
@@ -166,6 +166,31 @@ class Optimizers:
 
     def __str__(self) -> str:
         return ", ".join(type(o).__name__ for o in self.optimizers)
+
+
+def keeps_adams_states(optimizer) -> bool:
+    """Whether the optimizer keeps what the layouts model: two states per parameter and a step count (torch's
+    Adam and AdamW without amsgrad, which keeps a third; RAdam and Adamax keep the same; DeepSpeed's and
+    apex's FusedAdam, its step a Python number). NAdam keeps a fourth (mu_product); SparseAdam another layout."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return not any(group.get("amsgrad") for group in optimizer.param_groups)
+    if isinstance(optimizer, torch.optim.RAdam | torch.optim.Adamax):
+        return True
+    if isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch.optim"):
+        return False
+    return "Adam" in type(optimizer).__name__ and "NAdam" not in type(optimizer).__name__
+
+
+def optimizer_name(optimizer) -> str:
+    amsgrad = any(group.get("amsgrad") for group in getattr(optimizer, "param_groups", []))
+    return type(optimizer).__name__ + (" (amsgrad)" if amsgrad else "")
+
+
+def offloaded(engine) -> bool:
+    """Whether a DeepSpeed engine offloads its optimizer or its parameters (to the CPU or NVMe)."""
+    sections = [engine.zero_offload_optimizer(), engine.zero_offload_param()]
+    return any(section is not None and getattr(section.device, "value", section.device) != "none"
+               for section in sections)
 
 
 def optimizers_of(optimizer) -> list[torch.optim.Optimizer] | None:
@@ -326,7 +351,9 @@ class Tracker:
         self._measuring(self._forward_ends, self.trained, (), None)
 
     def _forward_begins(self, module, args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        # The model inside the wrapper says whether this is training: after a validation Lightning puts
+        # its LightningModule back in training mode and leaves the DDP wrapper around it in eval mode.
+        if not (self.strategy.module.training and torch.is_grad_enabled()):
             return  # an evaluation's forward
         self._step_left_open()
         self.strategy.before_forward()
@@ -383,6 +410,9 @@ class Tracker:
             return
         self._close_phase("backward")
         self.record |= self.probe.census(self.strategy, "backward")
+        if self.engine is None:  # a parameter the forward did not use (find_unused_parameters) has none
+            self.record["trained_without_grad"] = sum(p.requires_grad and p.grad is None
+                                                      for p in self.strategy.module.parameters())
         self._open_phase("step")
 
     def _step_ends(self) -> None:
@@ -464,6 +494,7 @@ class Tracker:
         strategy, the retained bytes predicted beside them and checked."""
         name = self.strategy.name
         ranks, missing, notes = [], [], [*self.strategy.notes()]
+        without_grad = 0  # trained parameters with no gradient at a sampled step's end of backward, at most
         for r in range(self.world_size):
             path = self.out / f"metrics_rank{r}.jsonl"
             records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -473,6 +504,7 @@ class Tracker:
             # The retained figures are the last record's: the latest whose census after the step came at
             # a forward, where there is one (a census at exit sees the gradients a next zero_grad would drop).
             ordered = sorted(records, key=lambda rec: not rec["census_after_step_at_exit"])
+            without_grad = max(without_grad, *(rec.get("trained_without_grad", 0) for rec in records))
             if ordered[-1]["census_after_step_at_exit"]:
                 notes.append(f"rank {r}: its only sampled step was the last, whose census after the step was "
                              "taken at exit, before the zero_grad of a next step")
@@ -487,7 +519,10 @@ class Tracker:
                          "given to track, whose states are counted (and predicted) for their own parameters alone: "
                          "where another optimizer steps them, give track that one too: "
                          "zerolens.track(model, [optimizer, other])")
-        why_not = self.not_predicted()
+        why_not = self.not_predicted() or (without_grad and (
+            f"{without_grad} of the parameters that train had no gradient after a sampled step's backward (its "
+            "forward did not use them, as DDP's find_unused_parameters allows), and the layouts give every one a "
+            "gradient and optimizer states"))
         if why_not:
             notes.append(f"Retained memory not predicted: {why_not}.")
         else:
@@ -497,13 +532,14 @@ class Tracker:
                 rank["predicted"] = dict(predicted)
                 if rank["grad_bytes_after_step"] and not predicted["grad_bytes_after_step"]:
                     # The strategy frees its gradients at the step's zero_grad; this loop zeroes them later
-                    # (Lightning's after the next forward), so they live on through that forward.
+                    # (Lightning's after the next forward) or keeps them (zero_grad(set_to_none=False)).
                     rank["predicted"]["grad_bytes_after_step"] = predicted["grad_bytes_after_backward"]
                     kept.append(rank["rank"])
             if kept:
                 notes.append(f"The loop's gradients were still held at the next step's forward (ranks "
-                             f"{', '.join(map(str, kept))}): its zero_grad comes later (Lightning's comes after the "
-                             "forward), so they are alive through every forward; predicted as kept.")
+                             f"{', '.join(map(str, kept))}): its zero_grad comes after that forward (as Lightning's "
+                             "does) or zeroes them in place (set_to_none=False), so they are alive through every "
+                             "forward; predicted as kept.")
         if self.device.type == "cpu":
             notes.append("CPU: no allocator, so no peaks per phase; the census counts what each rank holds.")
         return {
@@ -529,6 +565,9 @@ class Tracker:
                 deepspeed=deepspeed_layout(versions().get("deepspeed")), weight_bytes=self.weight_bytes(),
                 trainable=None if all(trainable) else trainable, param_groups=self.parameter_groups(),
                 deepspeed_step_bytes=self.deepspeed_step_bytes(), **self.stage3_threshold())
+            if isinstance(getattr(self.strategy, "model", None), nn.parallel.DistributedDataParallel) \
+                    and self.strategy.model.gradient_as_bucket_view:
+                predicted["comm_buffer_bytes_after_backward"] = 0  # the gradients are the buckets: counted as gradients
             self.predictions[rank] = {k: predicted[k] for k in RETAINED_KEYS}
         return self.predictions[rank]
 
@@ -545,11 +584,12 @@ class Tracker:
         if not self.registered:
             return "a module no data-parallel backend wraps is not a registered strategy"
         optimizers = [self.engine.basic_optimizer] if self.engine is not None else self.optimizers
-        others = [type(o).__name__ for o in optimizers
-                  if not isinstance(o, torch.optim.Adam | torch.optim.AdamW) and "Adam" not in type(o).__name__]
+        others = [optimizer_name(o) for o in optimizers if not keeps_adams_states(o)]
         if others:
             return (f"the layouts are modelled for Adam's two states per parameter, and the loop steps "
                     f"{', '.join(others)}")
+        if self.engine is not None and offloaded(self.engine):
+            return "DeepSpeed offloads the optimizer or the parameters to the CPU, which the layouts do not model"
         return None
 
     def trained_outside_the_optimizers(self) -> int:
