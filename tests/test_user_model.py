@@ -107,11 +107,19 @@ def test_a_model_the_user_compiled_is_not_predicted_at_the_peak(cli):
     assert "the model is compiled" in ddp["peak_not_predicted"] and ddp["ranks"][0]["param_bytes"] > 0
 
 
-@pytest.mark.parametrize("model", ["mixed_weights"])
-def test_estimate_refuses_what_it_does_not_model(cli, model):
+@pytest.mark.parametrize("model, message", [("mixed_weights", "the model's parameters mix dtypes"),
+                                            ("with_batch_norm", "BatchNorm1d 'norm' keeps running statistics")])
+def test_estimate_refuses_what_it_does_not_model(cli, model, message):
     result = cli("estimate", "--model", f"zerolens_test_models:{model}", "--batch", "zerolens_test_models:tiny_batch")
-    assert result.returncode == 2 and "the model's parameters mix dtypes" in result.stderr, result.stderr
+    assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_model_with_batch_norm_runs_every_strategy_in_fp32(tmp_path):
+    """What the refusal in bf16 points to: in fp32 the running statistics and the weights agree."""
+    summary = verified(tmp_path, "with_batch_norm", "tiny_batch", "ddp,zero0,zero2,zero3,fsdp2", "--precision", "fp32")
+    assert peaks_checked(summary) == 2 * 5
 
 
 @pytest.mark.slow
@@ -145,6 +153,11 @@ def test_bench_a_user_model(tmp_path):
      "its forward never uses 2 of its trained parameters (spare.weight, spare.bias)"),
     (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:targets_past_the_classes"],
      "targets from 4 to 7, but the model's logits have 4 classes"),
+    # DeepSpeed and FSDP2 run bf16 weights beside BatchNorm's fp32 statistics: their forward failed at step 0
+    (["--model", "zerolens_test_models:with_batch_norm", "--batch", "zerolens_test_models:tiny_batch", "--strategies",
+      "ddp,zero2,fsdp2"], "BatchNorm1d 'norm' keeps running statistics in float32, which zero2, fsdp2 leave as they "
+                          "are while running the weights in bf16: their forward fails on the two dtypes; run "
+                          "--precision fp32, or --strategies ddp alone"),
 ])
 def test_user_model_mistakes(cli, tmp_path, args, message):
     result = cli("verify", *args, "--out", str(tmp_path / "run"))

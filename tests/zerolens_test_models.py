@@ -236,3 +236,17 @@ def small_batch(step, batch_size, seed):
     gen = torch.Generator().manual_seed(seed * 1000 + step)
     x = torch.randn(batch_size, 7, generator=gen)
     return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+
+
+def with_batch_norm():
+    """For --model with tiny_batch: a BatchNorm1d between two layers (its running statistics are fp32 buffers)."""
+    class WithBatchNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(64, 16)
+            self.norm = nn.BatchNorm1d(16)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, tokens):
+            return self.head(self.norm(self.embedding(tokens).mean(1)))
+    return WithBatchNorm()

@@ -390,6 +390,9 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         # As verify: the paper's fp16 for a count, a preset's GPU precision on CUDA, bf16 on CPU.
         precision = args.precision or ("fp16" if args.params is not None else "bf16" if args.device == "cpu" else
                                        PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16"))
+        if model_config is not None:  # a model that cannot run under some of them: as verify
+            from zerolens.run.validate import check_running_statistics
+            check_running_statistics(model_config, strategies, precision)
         started = time.perf_counter()
         result = estimate(strategies=strategies, world_size=args.nproc, precision=precision,
                           reduce_bucket_size=int(args.reduce_bucket_size), param_shapes=shapes, params=args.params,

@@ -19,6 +19,7 @@ from zerolens.models.data import make_batch
 from zerolens.models.model import (
     MIXED_WEIGHTS,
     ModelConfig,
+    meta_model,
     parameter_shapes,
     trainable_flags,
     user_model,
@@ -26,7 +27,7 @@ from zerolens.models.model import (
 )
 from zerolens.run.config import RunConfig
 from zerolens.run.faults import fault_from_environment
-from zerolens.strategies import loss_of, registry
+from zerolens.strategies import DTYPES, loss_of, registry
 
 
 def check_config(config: RunConfig, gpus_visible: int | None = None, *, running: bool = True) -> None:
@@ -58,6 +59,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
         check_deepspeed_configs(config)
     if config.model.kind == "user":
         check_user_model(config.model, config.micro_batch * config.nproc, config.seed)
+    check_running_statistics(config.model, config.strategies, config.precision)
     # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
     # refused here, not after the others trained.
     shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
@@ -72,6 +74,32 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
                                       weight_bytes=weights, trainable=trainable)
         except ValueError as e:
             raise UserError(f"--strategies {name}: {e}") from None
+
+
+def check_running_statistics(model: ModelConfig, strategies, precision: str) -> None:
+    """A model whose normalisation layers keep running statistics in a dtype other than the run's
+    16-bit one (BatchNorm built in fp32) under strategies that run the weights in that dtype themselves
+    (StrategySpec.casts_weights): the statistics stay as they are, and the forward fails ("expected
+    scalar type BFloat16 but found Float"; DeepSpeed on its own too). DDP autocasts, which runs batch
+    norm in fp32."""
+    casting = [name for name in strategies if registry.spec(name).casts_weights]
+    if precision == "fp32" or not casting or model.kind not in ("user", "hf"):
+        return
+    from torch.nn.modules.batchnorm import _NormBase
+    with users_code("--model"):
+        with torch.device("meta"):
+            module = user_model(model) if model.kind == "user" else meta_model(model)
+    norms = [(name, m) for name, m in module.named_modules() if isinstance(m, _NormBase)
+             and m.running_mean is not None and m.running_mean.dtype != DTYPES[precision]]
+    if norms:
+        name, first = norms[0]
+        others = [s for s in strategies if s not in casting]
+        raise UserError(f"--model {model.factory}: {type(first).__name__} {name!r}"
+                        + (f" and {len(norms) - 1} more" if len(norms) > 1 else "")
+                        + f" keep{'s' if len(norms) == 1 else ''} running statistics in "
+                        f"{str(first.running_mean.dtype).removeprefix('torch.')}, which {', '.join(casting)} "
+                        f"leave{'s' if len(casting) == 1 else ''} as they are while running the weights in {precision}: their forward fails on the two dtypes; "
+                        f"run --precision fp32" + (f", or --strategies {','.join(others)} alone" if others else ""))
 
 
 def check_user_model(model: ModelConfig, global_batch: int, seed: int) -> None:

@@ -78,6 +78,11 @@ class StrategySpec:
     # Its step checks bf16 gradients for inf and NaN as DeepSpeed's bf16.check_grad_overflow says (from
     # 0.17.1; DeepSpeedZeroOptimizer): --grad-overflow-check
     reads_grad_overflow_check: bool = False
+    # It runs the weights in the run's 16-bit precision itself (DeepSpeed casts the parameters, FSDP2
+    # all-gathers them cast), where DDP autocasts fp32 weights; a module's floating buffers stay as they
+    # are, and a forward that combines them with the weights (BatchNorm's running statistics) fails
+    # (run/validate.py, check_running_statistics)
+    casts_weights: bool = False
 
     def backend_class(self):
         module, _, cls = self.backend.partition(":")
@@ -230,7 +235,7 @@ register(StrategySpec(
     communication=lambda psi, n, e: 2 * ring(4 * psi, n)))  # all-reduce of the fp32 gradients
 register(StrategySpec(
     name="zero0", backend=DEEPSPEED, options={"stage": 0}, needs_deepspeed=True, paper_stage=0,
-    shards_gradients=False, transient_code=DEEPSPEED_CODE, step_model=DEEPSPEED_STEP_MODEL,
+    shards_gradients=False, transient_code=DEEPSPEED_CODE, step_model=DEEPSPEED_STEP_MODEL, casts_weights=True,
     description="DeepSpeed without ZeRO (the case study's baseline)",
     not_depth_scaled="DeepSpeed without ZeRO cuts its flat buffers in pieces that do not repeat per block",
     layout=deepspeed_stage0_layout,
@@ -240,7 +245,7 @@ for stage in (1, 2):
     register(StrategySpec(
         name=f"zero{stage}", backend=DEEPSPEED, options={"stage": stage}, needs_deepspeed=True, paper_stage=stage,
         shards_gradients=True, flat_partition=True, reduce_bucket="every backward", transient_code=DEEPSPEED_CODE,
-        step_model=DEEPSPEED_STEP_MODEL, reads_grad_overflow_check=True,
+        step_model=DEEPSPEED_STEP_MODEL, reads_grad_overflow_check=True, casts_weights=True,
         description=f"DeepSpeed ZeRO-{stage}: " + ("optimizer states" if stage == 1 else "optimizer states and "
                                                    "gradients") + " partitioned",
         layout=deepspeed_flat_partition_layout,
@@ -251,6 +256,7 @@ for stage in (1, 2):
 register(StrategySpec(
     name="zero3", backend=DEEPSPEED, options={"stage": 3}, needs_deepspeed=True, paper_stage=3,
     shards_gradients=True, reduce_bucket="whole run", keeps_small_params_whole=True, transient_code=DEEPSPEED_CODE,
+    casts_weights=True,
     step_model="zerolens.strategies.deepspeed_stage3:DeepSpeedStage3StepModel",
     description="DeepSpeed ZeRO-3: parameters too", layout=deepspeed_stage3_layout,
     parts_across_blocks="zerolens.strategies.deepspeed_stage3:windows_across_blocks",
@@ -264,6 +270,7 @@ for name, reshard in (("fsdp2-grad", False), ("fsdp2", True)):
     register(StrategySpec(
         name=name, backend=FSDP2, options={"reshard_after_forward": reshard}, needs_deepspeed=False, paper_stage=3,
         shards_gradients=True, transient_code=FSDP2_CODE, step_model="zerolens.strategies.fsdp2:TorchFSDP2StepModel",
+        casts_weights=True,
         description="PyTorch FSDP2, " + ("full sharding" if reshard else "parameters kept gathered from forward to "
                                          "backward (reshard_after_forward=False, like ZeRO-2)"),
         layout=fsdp2_layout, unpadded=lambda psi, n, e: (4 * psi / n, 4 * psi / n, 8 * psi / n, 0),
