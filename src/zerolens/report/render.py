@@ -329,7 +329,7 @@ def tracked_report(summary: dict) -> str:
     unfinished = {"UNFINISHED": "\nThe loop is still running, or ended without leaving track: figures so far.\n",
                   "CRASHED": f"\nThe loop ended with an error:{errors}\n"}.get(summary["verdict"], "")
     stopped = [f"{rank}: {text}" for rank, text in summary["errors"].items()
-               if summary["verdict"] != "CRASHED" and text.startswith("zerolens.track stopped measuring")]
+               if summary["verdict"] != "CRASHED" and "track stopped measuring at step" in text]
     missing = summary["ranks_without_a_sampled_step"]
     if stopped:  # zerolens's own error in a hook; the training went on
         notes += "".join(f"\n> {line}; the training went on.\n" for line in stopped)
