@@ -737,6 +737,9 @@ class DeepSpeedStepModel(Strategy):
                     flat = torch.empty(sum(group), dtype=self.dtype, device=self.device)
                     self.collective_buffer_sizes.append(flat.nbytes)
                     del flat
+                else:  # gloo's thread holds the view, so the storage under it, which it may free late
+                    large = len(self.pending) == 1 and self.pending[0].numel() > self.bucket.numel()
+                    self.collective_buffer_sizes.append(self.pending[0].grad.nbytes if large else self.bucket.nbytes)
                 group = []
         self.collective_buffer_sizes += [n * self.dtype.itemsize for n in slices]  # gloo's copies of the slices
         with self.rank_own("grad-buffer", tuple(self.param_index[id(p)] for p in self.pending)):
