@@ -68,3 +68,9 @@ def test_every_commands_help_fits_the_terminal(cli):
     for verb in ["", *(v.__name__.rsplit(".", 1)[1] for v in VERBS)]:
         result = cli(*([verb] if verb else []), "--help")
         assert result.returncode == 0 and max(len(line) for line in result.stdout.splitlines()) <= WIDTH, verb
+
+
+def test_a_figure_too_small_for_its_tables_unit_is_not_shown_as_zero():
+    """A small model's parameters beside a peak of GiB: "<0.01", where zero bytes stay "0.00"."""
+    from zerolens.report.tables import in_unit
+    assert in_unit(100, 2**20, 2) == "<0.01" and in_unit(0, 2**20, 2) == "0.00" and in_unit(6000, 2**20, 2) == "0.01"

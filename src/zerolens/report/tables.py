@@ -33,10 +33,14 @@ def unit_for(values, units=BINARY_UNITS) -> tuple[float, str]:
 
 
 def in_unit(n: float | None, unit: float, digits: int = 3) -> str:
-    """`n` in `unit`; thousands grouped from 10,000 on (a figure of its table's unit stays below 1024)."""
+    """`n` in `unit`; thousands grouped from 10,000 on (a figure of its table's unit stays below 1024).
+    Some bytes too few to show in it are "<0.01" (say), not zero: a small model's figures beside a
+    peak of GiB."""
     if n is None:
         return "-"
     value = n / unit
+    if 0 < value < 0.5 * 10 ** -digits:
+        return f"<{10 ** -digits:.{digits}f}"
     return f"{value:,.{digits}f}" if abs(value) >= 10_000 else f"{value:.{digits}f}"
 
 
