@@ -104,6 +104,9 @@ def test_tracked_figures_equal_verifys_for_every_backend(verified, tmp_path):
             assert {k: mine[k] for k in RETAINED_KEYS} == {k: theirs[k] for k in RETAINED_KEYS}, name
         for f in ("config.json", "env.json", "metrics_rank0.jsonl", "metrics_rank1.jsonl", "report.md"):
             assert (tmp_path / name / f).is_file(), (name, f)
+        # What the forward computed in, beside the weights' dtype: DDP's loop autocasts, FSDP2 gathers in bf16
+        assert tracked["computed_in"] == {"ddp": "autocast bfloat16",
+                                          "fsdp2": "FSDP2's MixedPrecisionPolicy: bfloat16"}.get(name), name
     for name in GROUPED:  # predicted group by group, byte for byte
         tracked = json.loads((tmp_path / name / "summary.json").read_text())
         assert len(tracked["checks"]) == 2 and all(c["passed"] for c in tracked["checks"]), tracked["checks"]

@@ -340,7 +340,8 @@ def tracked_report(summary: dict) -> str:
     return f"""# zerolens.track: {summary['verdict']}
 {unfinished}
 {name} on {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''} ({summary['device']}, \
-{summary['precision']}), {summary['steps_seen']} optimizer steps seen; measured: {sampled}.\
+weights {summary['precision']}{f", computed in {summary['computed_in']}" if summary.get('computed_in') else ""}), \
+{summary['steps_seen']} optimizer steps seen; measured: {sampled}.\
 {f" Ranks without a sampled step yet: {', '.join(map(str, missing))}." if missing else ""}
 {notes}
 ## Memory per rank (MiB = 1024^2 bytes)

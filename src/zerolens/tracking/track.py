@@ -363,6 +363,8 @@ class Tracker:
             return
         if self.record is None:
             self._start_record()
+        if torch.is_autocast_enabled(self.device.type):  # what the forward computes in, where not the weights' dtype
+            self.record["autocast"] = str(torch.get_autocast_dtype(self.device.type)).removeprefix("torch.")
         self._open_phase("forward")
         self.activations = contextlib.ExitStack()
         self.activations.enter_context(self.probe.saved_activations(self.strategy, into=self.record))
@@ -495,6 +497,7 @@ class Tracker:
         name = self.strategy.name
         ranks, missing, notes = [], [], [*self.strategy.notes()]
         without_grad = 0  # trained parameters with no gradient at a sampled step's end of backward, at most
+        autocast: set[str] = set()  # the dtypes the sampled forwards ran under autocast in
         for r in range(self.world_size):
             path = self.out / f"metrics_rank{r}.jsonl"
             records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -505,6 +508,7 @@ class Tracker:
             # a forward, where there is one (a census at exit sees the gradients a next zero_grad would drop).
             ordered = sorted(records, key=lambda rec: not rec["census_after_step_at_exit"])
             without_grad = max(without_grad, *(rec.get("trained_without_grad", 0) for rec in records))
+            autocast |= {rec["autocast"] for rec in records if rec.get("autocast")}
             if ordered[-1]["census_after_step_at_exit"]:
                 notes.append(f"rank {r}: its only sampled step was the last, whose census after the step was "
                              "taken at exit, before the zero_grad of a next step")
@@ -545,12 +549,23 @@ class Tracker:
         return {
             "schema_version": SCHEMA_VERSION, "command": "zerolens.track", "verdict": verdict,
             "errors": errors, "strategy": name, "world_size": self.world_size, "device": self.device.type,
-            "precision": self.strategy.settings.precision, "every": self.every, "steps_seen": self.steps_done,
+            "precision": self.strategy.settings.precision, "computed_in": self.computed_in(autocast),
+            "every": self.every, "steps_seen": self.steps_done,
             "ranks_without_a_sampled_step": missing, "notes": notes,
             "checks": [prediction_check(name, rank) for rank in ranks if "predicted" in rank],
             "strategies": {name: {"ranks": ranks}},
             "seconds": time.time() - self.started,
         }
+
+    def computed_in(self, autocast: set[str]) -> str | None:
+        """What the forward computes in where it is not the weights' dtype (`precision`): autocast's dtype
+        (a plain loop's, Lightning's bf16-mixed), or the dtype FSDP2's MixedPrecisionPolicy gathers the
+        weights in; None where neither (DeepSpeed's precision is the weights')."""
+        if autocast:
+            return f"autocast {', '.join(sorted(autocast))}"
+        policy = getattr(getattr(self.strategy, "root_state", None), "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+        return None if dtype is None else f"FSDP2's MixedPrecisionPolicy: {str(dtype).removeprefix('torch.')}"
 
     def predicted_retained(self, rank: int) -> dict:
         """registry.predict_retained for `rank`, made once: rank 0 writes the summary after each of its
