@@ -283,3 +283,21 @@ def test_gradient_accumulation_trains_every_backend_alike_and_is_predicted_where
     assert sorted(predicted) == sorted(f"peak as predicted ({name}, rank {r})"
                                        for name in ("ddp", "zero0", "zero2", "fsdp2") for r in (0, 1))
     assert not [c for c in summary["not_checked"] if c["name"].startswith("peak as predicted")]
+
+
+def test_the_bucket_is_said_on_the_terminal_only_where_it_costs_memory():
+    """A bucket larger than the gradients is in report.md's notes either way; the terminal's line only where
+    the strategy's peak is above the baseline's (a user saw it when ZeRO-2 saved memory all the same)."""
+    from zerolens.models.model import PRESETS
+    from zerolens.report.summary import bucket_notes
+    from zerolens.run.config import RunConfig
+    config = RunConfig(strategies=("zero0", "zero2"), baseline="zero0", preset="gpt-tiny", model=PRESETS["gpt-tiny"],
+                       reduce_bucket_size=20_000)
+
+    def strategies(zero2_peak):
+        return {"zero0": {"ranks": [{"peak_bytes": 600_000}]}, "zero2": {"ranks": [{"peak_bytes": zero2_peak}]}}
+    notes, headlines = bucket_notes(config, strategies(500_000), 19_000)
+    assert len(notes) == 1 and "Measured on rank 0: peak 488 KiB under zero2 against 586 KiB under zero0." in notes[0]
+    assert headlines == []
+    notes, headlines = bucket_notes(config, strategies(700_000), 19_000)
+    assert len(headlines) == 1 and "; peak 684 KiB against 586 KiB. Try --reduce-bucket-size" in headlines[0]

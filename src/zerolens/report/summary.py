@@ -232,7 +232,8 @@ def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[st
     """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
     every backward, ZeRO-3 keeps one: the registry says which), measured against the baseline's peak
     where the allocator can tell. `psi`: the elements of the parameters that train. (The notes for
-    report.md, and one line each for the terminal.)"""
+    report.md, and one line each for the terminal where the strategy's peak is above the baseline's
+    or was not measured: a bucket that outweighs the gradients while sharding still saves memory is no alarm.)"""
     element = ELEMENT_BYTES[config.precision]
     bucket, grads = config.reduce_bucket_size * element, psi * element
     if bucket <= grads:
@@ -253,11 +254,13 @@ def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[st
                     f" Measured on rank 0: peak {size(peak)} under {name} against "
                     f"{size(base)} under {config.baseline}"
                     + (", so sharding costs memory here." if peak > base else "."))
-        headlines.append(
-            f"{name}: its {size(bucket)} reduce bucket ({kept}) "
-            f"outweighs all {size(grads)} of gradients"
-            + ("" if peak is None or base is None else f"; peak {size(peak)} against {size(base)}")
-            + f". {try_bucket}.")
+        # The terminal's line where the bucket costs memory, or where that was not measured; report.md's note always
+        if peak is None or base is None or peak > base:
+            headlines.append(
+                f"{name}: its {size(bucket)} reduce bucket ({kept}) "
+                f"outweighs all {size(grads)} of gradients"
+                + ("" if peak is None or base is None else f"; peak {size(peak)} against {size(base)}")
+                + f". {try_bucket}.")
         notes.append(
             f"{name}: reduce_bucket_size {config.reduce_bucket_size:.3g} elements is a {size(bucket)} "
             f"buffer {kept}, while all of this model's gradients take {size(grads)}."
