@@ -153,6 +153,9 @@ def test_bench_a_user_model(tmp_path):
      "its forward never uses 2 of its trained parameters (spare.weight, spare.bias)"),
     (["--model", "zerolens_test_models:tiny_classifier", "--batch", "zerolens_test_models:targets_past_the_classes"],
      "targets from 4 to 7, but the model's logits have 4 classes"),
+    # Every strategy that cannot take it is named, not the first alone
+    (["--model", "zerolens_test_models:with_a_scalar", "--batch", "zerolens_test_models:tiny_batch", "--strategies",
+      "ddp,fsdp2,fsdp2-grad"], "--strategies fsdp2,fsdp2-grad: FSDP2 shards on dim 0: a 0-dimensional parameter"),
     # DeepSpeed and FSDP2 run bf16 weights beside BatchNorm's fp32 statistics: their forward failed at step 0
     (["--model", "zerolens_test_models:with_batch_norm", "--batch", "zerolens_test_models:tiny_batch", "--strategies",
       "ddp,zero2,fsdp2"], "BatchNorm1d 'norm' keeps running statistics in float32, which zero2, fsdp2 leave as they "

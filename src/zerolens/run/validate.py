@@ -66,6 +66,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     weights, trainable = weight_bytes(config.model), trainable_flags(config.model)
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=config.model.factory))
+    refused: dict[str, list[str]] = {}  # why -> the strategies it holds for (both FSDP2s, say)
     for name in config.strategies:
         try:
             registry.predict_retained(name, [math.prod(s) for s in shapes], config.nproc, 0, config.precision,
@@ -73,7 +74,10 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
                                       param_persistence_threshold=config.param_persistence_threshold,
                                       weight_bytes=weights, trainable=trainable)
         except ValueError as e:
-            raise UserError(f"--strategies {name}: {e}") from None
+            refused.setdefault(str(e), []).append(name)
+    if refused:
+        why, names = next(iter(refused.items()))
+        raise UserError(f"--strategies {','.join(names)}: {why}")
 
 
 def check_running_statistics(model: ModelConfig, strategies, precision: str) -> None:
