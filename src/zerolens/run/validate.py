@@ -19,7 +19,6 @@ from zerolens.models.data import make_batch
 from zerolens.models.model import (
     MIXED_WEIGHTS,
     ModelConfig,
-    meta_model,
     parameter_shapes,
     trainable_flags,
     user_model,
@@ -87,12 +86,12 @@ def check_running_statistics(model: ModelConfig, strategies, precision: str) -> 
     scalar type BFloat16 but found Float"; DeepSpeed on its own too). DDP autocasts, which runs batch
     norm in fp32."""
     casting = [name for name in strategies if registry.spec(name).casts_weights]
-    if precision == "fp32" or not casting or model.kind not in ("user", "hf"):
+    if precision == "fp32" or not casting or model.kind != "user":  # the presets and causal LMs have none
         return
     from torch.nn.modules.batchnorm import _NormBase
     with users_code("--model"):
         with torch.device("meta"):
-            module = user_model(model) if model.kind == "user" else meta_model(model)
+            module = user_model(model)
     norms = [(name, m) for name, m in module.named_modules() if isinstance(m, _NormBase)
              and m.running_mean is not None and m.running_mean.dtype != DTYPES[precision]]
     if norms:

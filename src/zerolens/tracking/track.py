@@ -215,7 +215,7 @@ class Tracker:
         if any(c.__name__ == "FullyShardedDataParallel" for c in type(inner).__mro__):
             raise UserError("zerolens.track: FSDP1 (FullyShardedDataParallel) is not measured; FSDP2 (fully_shard) is")
         # Several optimizers (one for the embeddings, another for the rest, say): one step of the loop
-        # steps each (_step_ends), and the census and the prediction see them as one (Optimizers).
+        # steps each (_optimizer_step_ends), and the census and the prediction see them as one (Optimizers).
         self.optimizers = optimizers_of(optimizer) or []
         if self.optimizers:
             optimizer = self.optimizers[0] if len(self.optimizers) == 1 else Optimizers(self.optimizers)
