@@ -166,7 +166,7 @@ def test_a_bigger_bucket_is_a_configuration_of_its_own():
 @pytest.mark.slow
 def test_plan_command_json(cli):
     result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", f"{(OUTSIDE + 80 * MiB) // MiB}MiB", "--strategies", "ddp,zero2",
-                      "--micro-batches", "1,4", "--no-depth", "--jobs", "1", "--json")
+                      "--micro-batches", "1,4", "--reduce-bucket-sizes", "5e7", "--no-depth", "--jobs", "1", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["gpu_memory_bytes"] == (OUTSIDE + 80 * MiB) // MiB * MiB and out["world_size"] == 2 and out["precision"] == "bf16"
@@ -191,6 +191,21 @@ def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):
                       "--ds-override", override)
     assert result.returncode == 2 and "would use reduce_bucket_size 1000" in result.stderr, result.stderr
 
+
+def test_the_bucket_verify_advises_is_planned_beside_a_default_that_outweighs_the_gradients(cli):
+    """gpt-tiny's gradients are under 1M elements: the default bucket (5e7) alone takes 95 MiB; plan tries the
+    advised one too (at most one rank's share), which fits where the default does not."""
+    memory = f"{(OUTSIDE + 80 * MiB) // MiB}MiB"
+    result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", memory, "--strategies", "zero2",
+                 "--micro-batches", "1", "--no-depth", "--jobs", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    advised = out["advised_bucket"]
+    assert out["reduce_bucket_sizes"] == [advised, 50_000_000] and advised < 1_000_000
+    assert {r["reduce_bucket_size"] for r in out["fits"]} == {advised}
+    text = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", memory, "--strategies", "zero2",
+               "--micro-batches", "1", "--no-depth", "--jobs", "1").stdout
+    assert "The default reduce bucket outweighs all this model's gradients" in " ".join(text.split())
 
 @pytest.mark.slow
 def test_plan_command_table_with_the_deepest_model(cli):

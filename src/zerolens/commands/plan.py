@@ -18,11 +18,13 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import re
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import repeat
 
 from zerolens.commands.workers import InProcess, default_jobs, pool
 from zerolens.errors import UserError
@@ -386,6 +388,9 @@ def render_plan(result: dict, top: int) -> list:
              f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU (CUDA, compute capability "
              f"{result['cuda_capability']}), the {setting} allocator; one micro-batch per optimizer step "
              "(plan does not search gradient accumulation; estimate --grad-accum predicts DDP's and FSDP2's)"]
+    if result.get("advised_bucket"):
+        lines.append(f"The default reduce bucket outweighs all this model's gradients: ZeRO planned with bucket "
+                     f"{bucket_text(result['advised_bucket'])} too, at most one rank's share of them (as verify advises).")
     fits = result["fits"]
     if fits:
         shown = fits[:top]
@@ -521,6 +526,17 @@ def check_micro_batches(text: str) -> list[int]:
     return values
 
 
+def advised_bucket(config: RunConfig, bucket: int) -> list[int]:
+    """The bucket verify and estimate advise where `bucket` outweighs all the model's gradients (a small
+    model under the default 5e7 elements: ZeRO's bucket alone can need more than DDP's whole step): at
+    most one rank's share of the gradients, planned beside it; none where the bucket does not."""
+    from zerolens.models.model import trainable_flags
+    from zerolens.report.summary import recommended_bucket
+    trained = sum(math.prod(shape) for shape, trains in zip(parameter_shapes(config.model),
+                                                            trainable_flags(config.model) or repeat(True)) if trains)
+    return [recommended_bucket(trained, config.nproc)] if bucket > trained else []
+
+
 def finite_bucket_sizes(text: str) -> list[int]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -576,6 +592,8 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("--reduce-bucket-sizes: with the DeepSpeed config (--ds-config/--ds-override), DeepSpeed "
                         f"would use reduce_bucket_size {ds_bucket}; plan with that one size")
     buckets = finite_bucket_sizes(args.reduce_bucket_sizes or str(ds_bucket or args.reduce_bucket_size))
+    advised = [] if args.reduce_bucket_sizes or ds_bucket else advised_bucket(config, buckets[0])
+    buckets = sorted({*buckets, *advised})
     if args.check and gpus < config.nproc:
         raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "
                         "--check, or on the machine that will train")
@@ -591,6 +609,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
                        cuda_capability=target_capability("cuda"), jobs=args.jobs or default_jobs(),
                        depth_search=not args.no_depth and config.model.kind != "user", progress=progress)
     result["command"] = command
+    result["advised_bucket"] = advised[0] if advised else None
     result["seconds"] = round(time.perf_counter() - started, 1)  # the prediction's, before any --check
     if args.check:
         result["checked"] = check_candidates(config, result, args.check, out, command, progress)
