@@ -214,8 +214,8 @@ def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_p
     alone = summaries["adamw-given-alone"]
     assert [c["passed"] for c in alone["checks"]] == [True, True]
     assert alone["strategies"]["ddp"]["ranks"][0]["optimizer_state_bytes"] == 2 * 4 * head + 4 * 2
-    assert any(note.startswith("1 of the model's trained parameters (requires_grad) in none of the optimizers")
-               for note in alone["notes"])
+    assert any(note.startswith("1 of the model's trained parameter tensors (requires_grad; 512 elements) in none "
+                               "of the optimizers") for note in alone["notes"])
 
 def test_a_loop_that_never_calls_the_tracked_modules_forward_is_told_why(tmp_path, capsys):
     """The loop calls the model's parts, never the model: steps are seen, none measured, and the report says

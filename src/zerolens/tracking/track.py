@@ -517,11 +517,11 @@ class Tracker:
                 # From a sampled step's first forward to the next forward: what one measured step costs.
                 "seconds_of_sampled_steps": [rec["seconds_sampled_step"] for rec in records]})
         errors = {p.stem: p.read_text().strip() for p in sorted((self.out / "logs").glob("rank*.error"))}
-        unstepped = self.trained_outside_the_optimizers()
-        if unstepped:
-            notes.append(f"{unstepped} of the model's trained parameters (requires_grad) in none of the optimizers "
-                         "given to track, whose states are counted (and predicted) for their own parameters alone: "
-                         "where another optimizer steps them, give track that one too: "
+        tensors, elements = self.trained_outside_the_optimizers()
+        if tensors:
+            notes.append(f"{tensors} of the model's trained parameter tensors (requires_grad; {elements:,} elements) "
+                         "in none of the optimizers given to track, whose states are counted (and predicted) for their "
+                         "own parameters alone: where another optimizer steps them, give track that one too: "
                          "zerolens.track(model, [optimizer, other])")
         why_not = self.not_predicted() or (without_grad and (
             f"{without_grad} of the parameters that train had no gradient after a sampled step's backward (its "
@@ -607,13 +607,14 @@ class Tracker:
             return "DeepSpeed offloads the optimizer or the parameters to the CPU, which the layouts do not model"
         return None
 
-    def trained_outside_the_optimizers(self) -> int:
-        """How many of the module's parameters that train no optimizer given to track holds (0 for a
-        DeepSpeed engine, whose optimizer holds what it trains)."""
+    def trained_outside_the_optimizers(self) -> tuple[int, int]:
+        """How many of the module's parameter tensors that train no optimizer given to track holds, and
+        their elements (none for a DeepSpeed engine, whose optimizer holds what it trains)."""
         if self.engine is not None:
-            return 0
+            return 0, 0
         held = {id(p) for o in self.optimizers for group in o.param_groups for p in group["params"]}
-        return sum(p.requires_grad and id(p) not in held for p in self.strategy.module.parameters())
+        outside = [p for p in self.strategy.module.parameters() if p.requires_grad and id(p) not in held]
+        return len(outside), sum(p.numel() for p in outside)
 
     def parameter_groups(self) -> list[tuple[int, ...]] | None:
         """The optimizer's parameter groups as layout.Layout.param_groups wants them (indices of the
