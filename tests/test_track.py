@@ -194,6 +194,20 @@ def test_ddp_set_up_as_users_do_is_predicted_or_says_why_not(tmp_path):
         summary = summaries[case]
         assert summary["checks"] == [] and any(reason in note for note in summary["notes"]), (case, summary["notes"])
 
+
+def test_ranks_that_hold_the_same_are_not_told_apart_as_the_largest():
+    """Two ranks with the same figures fold into one row ("0-1"), and no rank is named the largest."""
+    from zerolens.report.render import tracked_terminal_lines
+    rank = {k: 1024 for k in ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes",
+                              "comm_buffer_bytes_after_backward")} | {
+        "grad_bytes_after_step": 0, "comm_buffer_bytes_after_step": 1024, "peak_bytes": None, "reserved_peak_bytes": None}
+    summary = {"strategy": "ddp", "checks": [],
+               "strategies": {"ddp": {"ranks": [rank | {"rank": 0}, rank | {"rank": 1}]}}}
+    lines = tracked_terminal_lines(summary, Path("run"))
+    assert "Every rank holds the same." in lines and not any("Largest" in str(line) for line in lines)
+    summary["strategies"]["ddp"]["ranks"][1]["param_bytes"] = 2048
+    assert "Largest: rank 1." in tracked_terminal_lines(summary, Path("run"))
+
 def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_path):
     spawn(several_optimizers, tmp_path, timeout=240)
     embedding, head = 32 * 16, 16 * 32 + 32  # elements
@@ -343,7 +357,7 @@ def torchrun(script: Path, *args: str, env: dict | None = None) -> None:
     finally:
         remove_deepspeed_shared_memory(port)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Largest: rank" in result.stdout  # rank 0's table at exit
+    assert "memory per rank in" in result.stdout and "Report: " in result.stdout  # rank 0's table at exit
 
 
 @pytest.mark.slow

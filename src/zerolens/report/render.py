@@ -376,8 +376,9 @@ def tracked_terminal_lines(summary: dict, out: Path) -> list:
     table = terminal_table(["ranks", *(headers[k] for k in keys)], rows, right=set(range(1, len(keys) + 1)))
     largest = largest_rank(ranks)
     failed = [c for c in summary["checks"] if not c["passed"]]
+    alike = len(rows) == 1 and len(ranks) > 1  # every rank's figures the same: none is the largest
     lines = ["", f"zerolens.track: {summary['strategy']}, memory per rank in {label} (grads: after the last backward "
-             "of a sampled step)", table, f"Largest: rank {largest['rank']}."]
+             "of a sampled step)", table, "Every rank holds the same." if alike else f"Largest: rank {largest['rank']}."]
     if summary["checks"]:
         lines.append(f"{len(summary['checks']) - len(failed)} of {len(summary['checks'])} checks passed.")
     lines += [failed_line(f"{c['name']}: {c['detail']}") for c in failed]
