@@ -337,6 +337,9 @@ def tracked_report(summary: dict) -> str:
         notes += f"\n> No step was measured: {why_no_step(summary, bool(stopped))}\n"
     every = summary["every"]
     sampled = "every step" if every == 1 else f"the first step, then one in every {every}"
+    peaks = "" if summary["device"] == "cpu" else (
+        "Peaks: the CUDA allocator's, the highest over the sampled steps (a phase runs from the model's forward to "
+        "backward, from backward's call to its return, and over the optimizer's step). ")
     return f"""# zerolens.track: {summary['verdict']}
 {unfinished}
 {name} on {summary['world_size']} rank{'s' if summary['world_size'] > 1 else ''} ({summary['device']}, \
@@ -347,9 +350,7 @@ weights {summary['precision']}{f", computed in {summary['computed_in']}" if summ
 ## Memory per rank (MiB = 1024^2 bytes)
 Counted from the tensors each rank holds, each storage once: after the last backward of a sampled step \
 (just before the optimizer step) and after the step (at the next forward); the latest sampled step's. \
-Peaks: the CUDA allocator's, the highest over the sampled steps (a phase runs from the model's forward \
-to backward, from backward's call to its return, and over the optimizer's step). A prediction from the \
-parameter sizes is shown only where it differs. "sampled step": from its first forward to the next \
+{peaks}A prediction from the parameter sizes is shown only where it differs. "sampled step": from its first forward to the next \
 forward (the loop's own work between included), with track measuring it.
 
 {table}
