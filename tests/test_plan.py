@@ -206,6 +206,10 @@ def test_the_bucket_verify_advises_is_planned_beside_a_default_that_outweighs_th
     text = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", memory, "--strategies", "zero2",
                "--micro-batches", "1", "--no-depth", "--jobs", "1").stdout
     assert "The default reduce bucket outweighs all this model's gradients" in " ".join(text.split())
+    for chosen in (["--strategies", "ddp,fsdp2"], ["--strategies", "zero2", "--reduce-bucket-size", "1e9"]):
+        result = cli("plan", "--preset", "gpt-tiny", "--gpu-memory", memory, *chosen, "--micro-batches", "1",
+                     "--no-depth", "--jobs", "1", "--json")  # no bucket, or one the user chose
+        assert result.returncode == 0 and json.loads(result.stdout)["advised_bucket"] is None, result.stderr
 
 @pytest.mark.slow
 def test_plan_command_table_with_the_deepest_model(cli):

@@ -165,7 +165,7 @@ def ddp_loops_users_write(rank, world_size, out):
 
         def forward(self, tokens):
             return self.inner(tokens)
-    for case in ("bucket-view", "unused", "amsgrad", "nadam", "wrapper-in-eval"):
+    for case in ("bucket-view", "unused", "amsgrad", "nadam", "wrapper-in-eval", "late-optimizer"):
         torch.manual_seed(0)
         model = Skipping() if case == "unused" else nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
         trained = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=case == "bucket-view",
@@ -175,6 +175,18 @@ def ddp_loops_users_write(rank, world_size, out):
         if case == "wrapper-in-eval":
             trained.eval()
             model.train()
+        if case == "late-optimizer":  # the head's optimizer steps from the second step on: no states at the first
+            first, second = two_optimizers(model)
+            with zl.track(trained, [first, second], out=out / case, every=100):
+                for step in range(3):
+                    tokens = torch.randint(0, 32, (2, 4))
+                    nn.functional.cross_entropy(trained(tokens).flatten(0, 1), tokens.flatten()).backward()
+                    first.step()
+                    if step:
+                        second.step()
+                    first.zero_grad()
+                    second.zero_grad()
+            continue
         with zl.track(trained, optimizer, out=out / case, every=1):
             train_steps(trained, optimizer, 3)
 
@@ -182,14 +194,15 @@ def ddp_loops_users_write(rank, world_size, out):
 def test_ddp_set_up_as_users_do_is_predicted_or_says_why_not(tmp_path):
     spawn(ddp_loops_users_write, tmp_path, timeout=240)
     summaries = {case: json.loads((tmp_path / case / "summary.json").read_text())
-                 for case in ("bucket-view", "unused", "amsgrad", "nadam", "wrapper-in-eval")}
+                 for case in ("bucket-view", "unused", "amsgrad", "nadam", "wrapper-in-eval", "late-optimizer")}
     for case in ("bucket-view", "wrapper-in-eval"):
         summary = summaries[case]
         assert summary["strategies"]["ddp"]["ranks"][0]["sampled_steps"] == [0, 1, 2], case
         assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"]), (case, summary["checks"])
     assert summaries["bucket-view"]["strategies"]["ddp"]["ranks"][0]["comm_buffer_bytes_after_backward"] == 0
     reasons = {"unused": "2 of the parameters that train had no gradient after a sampled step's backward",
-               "amsgrad": "and the loop steps AdamW (amsgrad)", "nadam": "and the loop steps NAdam"}
+               "amsgrad": "and the loop steps AdamW (amsgrad)", "nadam": "and the loop steps NAdam",
+               "late-optimizer": "1 of the optimizers given to track had not stepped yet at the sampled step"}
     for case, reason in reasons.items():
         summary = summaries[case]
         assert summary["checks"] == [] and any(reason in note for note in summary["notes"]), (case, summary["notes"])
@@ -207,6 +220,73 @@ def test_ranks_that_hold_the_same_are_not_told_apart_as_the_largest():
     assert "Every rank holds the same." in lines and not any("Largest" in str(line) for line in lines)
     summary["strategies"]["ddp"]["ranks"][1]["param_bytes"] = 2048
     assert "Largest: rank 1." in tracked_terminal_lines(summary, Path("run"))
+
+
+def two_optimizers(model):
+    return torch.optim.AdamW(model[0].parameters()), torch.optim.AdamW(model[1].parameters())
+
+
+def test_several_optimizers_each_after_a_backward_of_its_own_count_one_step(tmp_path):
+    """A loop that steps one optimizer between two backwards (track sees backward only in a sampled step):
+    one step per iteration, sampled or not; the same optimizer given twice is one."""
+    model, _ = tiny_model_and_optimizer()
+    first, second = two_optimizers(model)
+    with zl.track(model, [first, second, second], out=tmp_path / "run", every=3):
+        for _ in range(6):
+            tokens = torch.randint(0, 32, (2, 4))
+            logits = model(tokens)
+            nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward(retain_graph=True)
+            first.step()
+            (2 * nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())).backward()
+            second.step()
+            first.zero_grad()
+            second.zero_grad()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps_seen"] == 6 and summary["strategies"]["module"]["ranks"][0]["sampled_steps"] == [0, 3]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["optimizer"] == "AdamW, AdamW"
+
+
+def test_a_step_an_error_broke_off_between_two_optimizers_is_not_recorded_whole(tmp_path):
+    model, _ = tiny_model_and_optimizer()
+    first, second = two_optimizers(model)
+    with pytest.raises(RuntimeError, match="between the optimizers"):
+        with zl.track(model, [first, second], out=tmp_path / "run", every=1):
+            for step in range(3):
+                tokens = torch.randint(0, 32, (2, 4))
+                nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+                first.step()
+                if step == 1:
+                    raise RuntimeError("failed between the optimizers")
+                second.step()
+                first.zero_grad()
+                second.zero_grad()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["verdict"] == "CRASHED" and summary["steps_seen"] == 1
+    assert summary["strategies"]["module"]["ranks"][0]["sampled_steps"] == [0]
+
+
+def test_what_the_forward_computes_in_can_be_said_by_the_caller(tmp_path):
+    """Lightning on one device: its autocast begins after the hook that starts track's forward, so its
+    callback says the precision (Trainer(precision="bf16-mixed"))."""
+    model, optimizer = tiny_model_and_optimizer()
+    with zl.track(model, optimizer, out=tmp_path / "run", every=1) as tracker:
+        tracker.mixed_precision = "Lightning's bf16-mixed (autocast)"
+        train_steps(model, optimizer, 1)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["computed_in"] == \
+        "Lightning's bf16-mixed (autocast)"
+
+
+def test_only_a_torch_compile_wrapper_is_looked_inside():
+    """A DeepSpeed engine answers any attribute from its module (`_orig_mod` too): it is no compiled wrapper."""
+    from zerolens.tracking.track import compiled_inside
+
+    class AnswersEverything(nn.Module):
+        def __getattr__(self, name):
+            return nn.Linear(1, 1) if name == "_orig_mod" else super().__getattr__(name)
+    engine_like = AnswersEverything()
+    assert compiled_inside(engine_like) is engine_like
+    model = nn.Linear(2, 2)
+    assert compiled_inside(torch.compile(model, backend="eager")) is model
 
 def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_path):
     spawn(several_optimizers, tmp_path, timeout=240)
@@ -498,11 +578,15 @@ def compiled_loops(rank, world_size, out):
     """torch.compile around DDP and around fully_shard, as users write them: track gets the compiled
     wrapper (its forward hooks stay outside the compiled code) and recognises the backend inside."""
     from torch.distributed.fsdp import fully_shard
-    for name in ("ddp", "fsdp2"):
+    for name in ("ddp", "fsdp2", "fsdp2-around-compiled"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
-        wrapped = nn.parallel.DistributedDataParallel(model) if name == "ddp" else fully_shard(model)
-        trained = torch.compile(wrapped, backend="eager")
+        if name == "fsdp2-around-compiled":  # fully_shard(torch.compile(model)): FSDP2's own module, compiled inside
+            trained = fully_shard(torch.compile(model, backend="eager"))
+            model = trained
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model) if name == "ddp" else fully_shard(model)
+            trained = torch.compile(wrapped, backend="eager")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with zl.track(trained, optimizer, out=out / name, every=1):
             train_steps(trained, optimizer, 3)
@@ -510,11 +594,13 @@ def compiled_loops(rank, world_size, out):
 
 def test_a_compiled_ddp_or_fsdp2_model_is_tracked_as_its_backend(tmp_path):
     spawn(compiled_loops, tmp_path, timeout=240)
-    for name in ("ddp", "fsdp2"):
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
+    for case in ("ddp", "fsdp2", "fsdp2-around-compiled"):
+        summary = json.loads((tmp_path / case / "summary.json").read_text())
+        name = case.removesuffix("-around-compiled")
         assert summary["strategy"] == name and not summary["errors"], summary
         assert summary["strategies"][name]["ranks"][0]["sampled_steps"] == [0, 1, 2]
         assert len(summary["checks"]) == 2 and all(c["passed"] for c in summary["checks"]), summary["checks"]
+
 
 def test_fsdp1_is_refused_in_one_line(tmp_path):
     """FSDP1 wraps the model in a module of its own, which track would otherwise take for a plain module."""

@@ -115,6 +115,23 @@ def test_estimate_refuses_what_it_does_not_model(cli, model, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+
+def test_deepspeed_that_casts_the_buffers_too_runs_a_model_with_batch_norm(monkeypatch):
+    """DeepSpeed 0.19's data_types.buffer_dtype casts the running statistics with the weights: its strategies
+    run the model in bf16; FSDP2, which casts no buffer, is still refused."""
+    import torch
+
+    from zerolens.errors import UserError
+    from zerolens.models.model import ModelConfig
+    from zerolens.run.validate import check_running_statistics, deepspeed_buffer_dtype
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    model = ModelConfig(kind="user", factory="zerolens_test_models:with_batch_norm", batch="zerolens_test_models:tiny_batch")
+    buffers = deepspeed_buffer_dtype({"data_types": {"buffer_dtype": "bf16"}}, {})
+    assert buffers == torch.bfloat16 and deepspeed_buffer_dtype({}, {}) is None
+    check_running_statistics(model, ["ddp", "zero2", "zero3"], "bf16", buffers)
+    with pytest.raises(UserError, match="which fsdp2 leaves as they are while running the weights in bf16: its forward fails"):
+        check_running_statistics(model, ["zero2", "fsdp2"], "bf16", buffers)
+
 @pytest.mark.slow
 def test_a_model_with_batch_norm_runs_every_strategy_in_fp32(tmp_path):
     """What the refusal in bf16 points to: in fp32 the running statistics and the weights agree."""

@@ -35,6 +35,7 @@ from zerolens.report.tables import say
 from zerolens.run.config import RunConfig, bucket_elements
 from zerolens.run.deepspeed_config import deepspeed_zero_setting
 from zerolens.run.flags import (
+    DEFAULT_REDUCE_BUCKET,
     add_verify_arguments,
     config_from_args,
     visible_gpus,
@@ -592,7 +593,10 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("--reduce-bucket-sizes: with the DeepSpeed config (--ds-config/--ds-override), DeepSpeed "
                         f"would use reduce_bucket_size {ds_bucket}; plan with that one size")
     buckets = finite_bucket_sizes(args.reduce_bucket_sizes or str(ds_bucket or args.reduce_bucket_size))
-    advised = [] if args.reduce_bucket_sizes or ds_bucket else advised_bucket(config, buckets[0])
+    # The default bucket (not one the user chose), for strategies that have one
+    advised = [] if args.reduce_bucket_sizes or ds_bucket or args.reduce_bucket_size != DEFAULT_REDUCE_BUCKET \
+        or not any(registry.spec(name).reduce_bucket for name in config.strategies) \
+        else advised_bucket(config, buckets[0])
     buckets = sorted({*buckets, *advised})
     if args.check and gpus < config.nproc:
         raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "

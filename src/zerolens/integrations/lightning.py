@@ -38,6 +38,8 @@ class ZerolensCallback(Callback):
         self.tracker = Tracker(trainer.strategy.model, optimizers or None, out=self.out, every=self.every,
                                overwrite=self.overwrite, log_to=to_loggers if self.log and trainer.loggers else None,
                                forward_hooks=not self.unwrapped)
+        if str(trainer.precision).endswith("-mixed"):  # autocast, which a forward hook sees only when wrapped
+            self.tracker.mixed_precision = f"Lightning's {trainer.precision} (autocast)"
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.tracker is not None and self.unwrapped:

@@ -58,7 +58,8 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
         check_deepspeed_configs(config)
     if config.model.kind == "user":
         check_user_model(config.model, config.micro_batch * config.nproc, config.seed)
-    check_running_statistics(config.model, config.strategies, config.precision)
+    check_running_statistics(config.model, config.strategies, config.precision,
+                             deepspeed_buffer_dtype(config.ds_config, config.ds_override))
     # A model a strategy's layout cannot describe (FSDP2 cannot shard a 0-dimensional parameter) is
     # refused here, not after the others trained.
     shapes = [tuple(shape) for shape in parameter_shapes(config.model)]
@@ -79,13 +80,28 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
         raise UserError(f"--strategies {','.join(names)}: {why}")
 
 
-def check_running_statistics(model: ModelConfig, strategies, precision: str) -> None:
+def deepspeed_buffer_dtype(ds_config: dict | None, ds_override: dict | None) -> torch.dtype | None:
+    """The dtype a DeepSpeed config casts the module's buffers to (data_types.buffer_dtype, DeepSpeed
+    0.19: --ds-override over --ds-config), None where it leaves them as they are (its default)."""
+    names = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+    for source in (ds_override, ds_config):
+        value = ((source or {}).get("data_types") or {}).get("buffer_dtype")
+        if value is not None:
+            return names.get(str(value).lower().removeprefix("torch."))
+    return None
+
+
+def check_running_statistics(model: ModelConfig, strategies, precision: str,
+                             deepspeed_buffers: torch.dtype | None = None) -> None:
     """A model whose normalisation layers keep running statistics in a dtype other than the run's
     16-bit one (BatchNorm built in fp32) under strategies that run the weights in that dtype themselves
     (StrategySpec.casts_weights): the statistics stay as they are, and the forward fails ("expected
     scalar type BFloat16 but found Float"; DeepSpeed on its own too). DDP autocasts, which runs batch
-    norm in fp32."""
-    casting = [name for name in strategies if registry.spec(name).casts_weights]
+    norm in fp32. `deepspeed_buffers`: the dtype a DeepSpeed config casts the buffers to
+    (deepspeed_buffer_dtype); DeepSpeed's strategies run where it is the run's."""
+    casting = [name for name in strategies if registry.spec(name).casts_weights
+               and not (registry.spec(name).needs_deepspeed and deepspeed_buffers == DTYPES.get(precision))]
     if precision == "fp32" or not casting or model.kind != "user":  # the presets and causal LMs have none
         return
     from torch.nn.modules.batchnorm import _NormBase
@@ -101,8 +117,9 @@ def check_running_statistics(model: ModelConfig, strategies, precision: str) -> 
                         + (f" and {len(norms) - 1} more" if len(norms) > 1 else "")
                         + f" keep{'s' if len(norms) == 1 else ''} running statistics in "
                         f"{str(first.running_mean.dtype).removeprefix('torch.')}, which {', '.join(casting)} "
-                        f"leave{'s' if len(casting) == 1 else ''} as they are while running the weights in {precision}: their forward fails on the two dtypes; "
-                        f"run --precision fp32" + (f", or --strategies {','.join(others)} alone" if others else ""))
+                        f"leave{'s' if len(casting) == 1 else ''} as they are while running the weights in {precision}: "
+                        f"{'its' if len(casting) == 1 else 'their'} forward fails on the two dtypes; run --precision fp32"
+                        + (f", or --strategies {','.join(others)} alone" if others else ""))
 
 
 def check_user_model(model: ModelConfig, global_batch: int, seed: int) -> None:

@@ -168,6 +168,18 @@ class Optimizers:
         return ", ".join(type(o).__name__ for o in self.optimizers)
 
 
+def compiled_inside(trained):
+    """What torch.compile(model) wrapped (OptimizedModule's `_orig_mod`), where `trained` is such a
+    wrapper: the backend is recognised in the model inside, and track's hooks go on the wrapper, outside
+    the compiled code. Not fully_shard around a compiled model (FSDP2's own module, recognised as it is),
+    nor a DeepSpeed engine (which answers `_orig_mod` from its module)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(trained, OptimizedModule) and not isinstance(trained, FSDPModule):
+        return trained._orig_mod
+    return trained
+
+
 def keeps_adams_states(optimizer) -> bool:
     """Whether the optimizer keeps what the layouts model: two states per parameter and a step count (torch's
     Adam and AdamW without amsgrad, which keeps a third; RAdam and Adamax keep the same; DeepSpeed's and
@@ -199,7 +211,7 @@ def optimizers_of(optimizer) -> list[torch.optim.Optimizer] | None:
     given = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
     if not given or not all(isinstance(o, torch.optim.Optimizer) for o in given):
         return None
-    return given
+    return list({id(o): o for o in given}.values())  # one given twice is one
 
 
 class Tracker:
@@ -209,9 +221,7 @@ class Tracker:
             raise UserError(f"zerolens.track: every={every!r}; give a whole number of steps, 1 or more")
         log_figures = figures_sink(log_to)  # on every rank: a UserError must end them all
         self.log_figures = log_figures if world()[0] == 0 else None
-        # torch.compile(model) wraps the model it compiles (OptimizedModule, `_orig_mod`): the backend is
-        # recognised in the model inside, and the hooks go on the wrapper, outside the compiled code.
-        inner = getattr(trained, "_orig_mod", trained)
+        inner = compiled_inside(trained)
         if any(c.__name__ == "FullyShardedDataParallel" for c in type(inner).__mro__):
             raise UserError("zerolens.track: FSDP1 (FullyShardedDataParallel) is not measured; FSDP2 (fully_shard) is")
         # Several optimizers (one for the embeddings, another for the rest, say): one step of the loop
@@ -228,6 +238,9 @@ class Tracker:
             raise UserError("zerolens.track needs the optimizer the loop steps: zerolens.track(model, optimizer), "
                             "or a list of them where it steps several")
         self.stepped: set[int] = set()  # the optimizers that have stepped in the step under way (ids)
+        # What the forward computes in where no forward hook can see its autocast (Lightning's precision on
+        # one device, whose autocast begins after on_train_batch_start): said by the caller
+        self.mixed_precision: str | None = None
         self.strategy, self.trained, self.every = strategy, trained, every
         self.rank, self.world_size = world()
         self.device = strategy.device
@@ -338,7 +351,6 @@ class Tracker:
         return tracked_backward
 
     def _backward_begins(self) -> None:
-        self._step_left_open()
         self._close_phase("forward")
         self._open_phase("backward")
 
@@ -402,7 +414,8 @@ class Tracker:
 
     def _step_left_open(self) -> None:
         """A loop that steps some of its optimizers less often than the others (every other step, say):
-        its step ended with the last optimizer it stepped, before this forward or backward."""
+        its step ended with the last optimizer it stepped, before this training forward (not a backward:
+        track sees backward only in a sampled step, and a loop may step one optimizer between two backwards)."""
         if self.stepped:
             self.stepped = set()
             self._step_ends()
@@ -449,6 +462,8 @@ class Tracker:
         when track ends, with no forward after the step, so before any zero_grad the loop would
         have called at the top of its next iteration."""
         self.record |= self.probe.census(self.strategy, "step") | {"census_after_step_at_exit": at_exit}
+        # An optimizer stepped less often than the others may have no states yet at this census
+        self.record["optimizers_without_state"] = 0 if self.engine is not None else sum(not o.state for o in self.optimizers)
         self.record["seconds_sampled_step"] = time.perf_counter() - self.record_started
         self.backward_undo()
         self.backward_undo = None
@@ -464,7 +479,8 @@ class Tracker:
         """Hooks off; the last sampled step written where it is whole. Without an error the ranks meet
         and rank 0 writes the report and prints its table; with one, this rank says what ended it
         (logs/rank<r>.error), and rank 0 writes the report as it stands."""
-        self._measuring(self._step_left_open)
+        if error is None:  # a step an error broke off between two optimizers is no whole step
+            self._measuring(self._step_left_open)
         if self.after_step_pending:  # the step ended whole, the error (if any) came after it
             self._measuring(self._finish_record, True)
         self._unhook()
@@ -498,6 +514,7 @@ class Tracker:
         ranks, missing, notes = [], [], [*self.strategy.notes()]
         without_grad = 0  # trained parameters with no gradient at a sampled step's end of backward, at most
         autocast: set[str] = set()  # the dtypes the sampled forwards ran under autocast in
+        stateless = 0  # optimizers with no states yet at the census the retained figures are from, at most
         for r in range(self.world_size):
             path = self.out / f"metrics_rank{r}.jsonl"
             records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -508,6 +525,7 @@ class Tracker:
             # a forward, where there is one (a census at exit sees the gradients a next zero_grad would drop).
             ordered = sorted(records, key=lambda rec: not rec["census_after_step_at_exit"])
             without_grad = max(without_grad, *(rec.get("trained_without_grad", 0) for rec in records))
+            stateless = max(stateless, ordered[-1].get("optimizers_without_state", 0))  # the figures' record
             autocast |= {rec["autocast"] for rec in records if rec.get("autocast")}
             if ordered[-1]["census_after_step_at_exit"]:
                 notes.append(f"rank {r}: its only sampled step was the last, whose census after the step was "
@@ -526,7 +544,9 @@ class Tracker:
         why_not = self.not_predicted() or (without_grad and (
             f"{without_grad} of the parameters that train had no gradient after a sampled step's backward (its "
             "forward did not use them, as DDP's find_unused_parameters allows), and the layouts give every one a "
-            "gradient and optimizer states"))
+            "gradient and optimizer states")) or (stateless and (
+            f"{stateless} of the optimizers given to track had not stepped yet at the sampled step the figures are "
+            "from (torch makes an optimizer's states at its first step), and the layouts give each its states"))
         if why_not:
             notes.append(f"Retained memory not predicted: {why_not}.")
         else:
@@ -563,6 +583,8 @@ class Tracker:
         weights in; None where neither (DeepSpeed's precision is the weights')."""
         if autocast:
             return f"autocast {', '.join(sorted(autocast))}"
+        if self.mixed_precision:
+            return self.mixed_precision
         policy = getattr(getattr(self.strategy, "root_state", None), "_mp_policy", None)
         dtype = getattr(policy, "param_dtype", None)
         return None if dtype is None else f"FSDP2's MixedPrecisionPolicy: {str(dtype).removeprefix('torch.')}"
