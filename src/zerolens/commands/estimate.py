@@ -268,10 +268,10 @@ def bucket_note(result: dict) -> str | None:
     peaks = "" if base is None or None in map(peak, with_bucket) else (
         f"; peak {', '.join(f'{size(peak(name))} under {name}' for name in with_bucket)}, against "
         f"{size(peak(base))} under {base}")
+    advised = recommended_bucket(int(result["trained_params"]), result["world_size"])
     return (f"{', '.join(with_bucket)}: the reduce bucket, {result['reduce_bucket_size']:.3g} elements "
             f"({size(bucket)} in {result['precision']}), outweighs all {size(grads)} of this model's gradients"
-            f"{peaks}. Try --reduce-bucket-size {recommended_bucket(int(result['trained_params']), result['world_size']):.0e}: "
-            "at most one rank's share of the gradients.")
+            f"{peaks}. Try --reduce-bucket-size {advised:.0e}: at most one rank's share of the gradients.")
 
 
 def needs(rank: dict, setting: str) -> int | None:

@@ -391,7 +391,8 @@ def render_plan(result: dict, top: int) -> list:
              "(plan does not search gradient accumulation; estimate --grad-accum predicts DDP's and FSDP2's)"]
     if result.get("advised_bucket"):
         lines.append(f"The default reduce bucket outweighs all this model's gradients: ZeRO planned with bucket "
-                     f"{bucket_text(result['advised_bucket'])} too, at most one rank's share of them (as verify advises).")
+                     f"{bucket_text(result['advised_bucket'])} too, at most one rank's share of them "
+                     "(as verify advises).")
     fits = result["fits"]
     if fits:
         shown = fits[:top]

@@ -463,7 +463,7 @@ class Tracker:
         have called at the top of its next iteration."""
         self.record |= self.probe.census(self.strategy, "step") | {"census_after_step_at_exit": at_exit}
         # An optimizer stepped less often than the others may have no states yet at this census
-        self.record["optimizers_without_state"] = 0 if self.engine is not None else sum(not o.state for o in self.optimizers)
+        self.record["optimizers_without_state"] = sum(not o.state for o in self.optimizers) if self.engine is None else 0
         self.record["seconds_sampled_step"] = time.perf_counter() - self.record_started
         self.backward_undo()
         self.backward_undo = None
