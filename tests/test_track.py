@@ -128,7 +128,6 @@ def train_steps(model, optimizer, steps: int, fail_at: int | None = None) -> Non
         optimizer.step()
 
 
-
 def several_optimizers(rank, world_size, out):
     """DDP loops that step their embedding with an optimizer of its own: two Adams (predicted), AdamW
     with an SGD stepped every other step (not predicted: SGD's momentum is no layout's), and the
@@ -150,7 +149,6 @@ def several_optimizers(rank, world_size, out):
                     other.step()
                 main.zero_grad()
                 other.zero_grad()
-
 
 
 def ddp_loops_users_write(rank, world_size, out):
@@ -555,7 +553,6 @@ def test_an_error_of_zerolens_in_a_hook_ends_the_measuring_not_the_training(tmp_
     assert summary["strategies"]["module"]["ranks"][0]["sampled_steps"] == [0]  # step 1's record was not whole
     assert "a buffer moved" in summary["errors"]["rank0"]
     assert not model._forward_pre_hooks and torch.autograd.backward.__module__ == "torch.autograd"
-
 
 
 def test_an_error_of_zerolens_before_the_first_step_ended_is_what_the_report_says(tmp_path):
