@@ -192,7 +192,7 @@ def render_estimate(result: dict) -> list:
             "Activations are not included.",
             terminal_table(["strategy", "params", "grads", "optimizer", "buffers", "kept total", "paper",
                             f"paper {paper_label}", "DeepSpeed"], rows, right=set(range(1, 9))),
-            *([bucket_note(result)] if bucket_note(result) else [])]
+            *filter(None, [bucket_note(result)])]
     keys = ("param_bytes", "grad_bytes_after_backward", "optimizer_state_bytes", "comm_buffer_bytes_after_backward",
             "transient_reduce_bucket_bytes", "retained_total_bytes")
     cuda = result["device"] == "cuda"
@@ -245,21 +245,22 @@ def render_estimate(result: dict) -> list:
           if "why_not_depth_scaled" in e),
         *(f"No \"needs\" for {name} rank {r['rank']}: {r['allocator_not_replayed']}." for name, _, r in shown
           if "allocator_not_replayed" in r),
-        *([bucket_note(result)] if bucket_note(result) else [])]
+        *filter(None, [bucket_note(result)])]
 
 
 def bucket_note(result: dict) -> str | None:
     """The case study's pitfall, as verify says it (report.summary.bucket_notes): a reduce bucket larger
     than all the gradients, which makes the strategies that allocate one need more than those that
     do not; their highest peaks beside the baseline's where the peaks were predicted."""
-    from zerolens.report.summary import recommended_bucket
+    from zerolens.report.summary import advised_bucket
     from zerolens.units import size
-    element = ELEMENT_BYTES[result["precision"]]
-    bucket, grads = result["reduce_bucket_size"] * element, result["trained_params"] * element
+    advised = advised_bucket(result["reduce_bucket_size"], result["trained_params"], result["world_size"])
     entries = result["strategies"]
     with_bucket = [name for name in entries if registry.spec(name).reduce_bucket is not None]
-    if bucket <= grads or not with_bucket:
+    if advised is None or not with_bucket:
         return None
+    element = ELEMENT_BYTES[result["precision"]]
+    bucket, grads = result["reduce_bucket_size"] * element, result["trained_params"] * element
 
     def peak(name: str) -> int | None:
         peaks = [r.get("peak_bytes") for r in entries[name]["ranks"] or []]
@@ -268,7 +269,6 @@ def bucket_note(result: dict) -> str | None:
     peaks = "" if base is None or None in map(peak, with_bucket) else (
         f"; peak {', '.join(f'{size(peak(name))} under {name}' for name in with_bucket)}, against "
         f"{size(peak(base))} under {base}")
-    advised = recommended_bucket(int(result["trained_params"]), result["world_size"])
     return (f"{', '.join(with_bucket)}: the reduce bucket, {result['reduce_bucket_size']:.3g} elements "
             f"({size(bucket)} in {result['precision']}), outweighs all {size(grads)} of this model's gradients"
             f"{peaks}. Try --reduce-bucket-size {advised:.0e}: at most one rank's share of the gradients.")

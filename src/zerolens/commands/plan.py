@@ -24,7 +24,6 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import repeat
 
 from zerolens.commands.workers import InProcess, default_jobs, pool
 from zerolens.errors import UserError
@@ -528,17 +527,6 @@ def check_micro_batches(text: str) -> list[int]:
     return values
 
 
-def advised_bucket(config: RunConfig, bucket: int) -> list[int]:
-    """The bucket verify and estimate advise where `bucket` outweighs all the model's gradients (a small
-    model under the default 5e7 elements: ZeRO's bucket alone can need more than DDP's whole step): at
-    most one rank's share of the gradients, planned beside it; none where the bucket does not."""
-    from zerolens.models.model import trainable_flags
-    from zerolens.report.summary import recommended_bucket
-    trained = sum(math.prod(shape) for shape, trains in zip(parameter_shapes(config.model),
-                                                            trainable_flags(config.model) or repeat(True)) if trains)
-    return [recommended_bucket(trained, config.nproc)] if bucket > trained else []
-
-
 def finite_bucket_sizes(text: str) -> list[int]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -594,11 +582,17 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError("--reduce-bucket-sizes: with the DeepSpeed config (--ds-config/--ds-override), DeepSpeed "
                         f"would use reduce_bucket_size {ds_bucket}; plan with that one size")
     buckets = finite_bucket_sizes(args.reduce_bucket_sizes or str(ds_bucket or args.reduce_bucket_size))
-    # The default bucket (not one the user chose), for strategies that have one
-    advised = [] if args.reduce_bucket_sizes or ds_bucket or args.reduce_bucket_size != DEFAULT_REDUCE_BUCKET \
-        or not any(registry.spec(name).reduce_bucket for name in config.strategies) \
-        else advised_bucket(config, buckets[0])
-    buckets = sorted({*buckets, *advised})
+    # Beside the default bucket (not one the user chose), for strategies that have one, where it outweighs all
+    # the model's gradients: the bucket verify and estimate advise (report.summary.advised_bucket)
+    advised = None
+    if not (args.reduce_bucket_sizes or ds_bucket or args.reduce_bucket_size != DEFAULT_REDUCE_BUCKET) \
+            and any(registry.spec(name).reduce_bucket for name in config.strategies):
+        from zerolens.models.model import trainable_flags
+        from zerolens.report.summary import advised_bucket
+        trained = sum(math.prod(shape) for shape, trains in zip(parameter_shapes(config.model),
+                                                                trainable_flags(config.model)) if trains)
+        advised = advised_bucket(buckets[0], trained, config.nproc)
+    buckets = sorted({*buckets, *([advised] if advised else [])})
     if args.check and gpus < config.nproc:
         raise UserError(f"--check runs the candidates on {config.nproc} GPUs, but {gpus} are visible; plan without "
                         "--check, or on the machine that will train")
@@ -614,7 +608,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
                        cuda_capability=target_capability("cuda"), jobs=args.jobs or default_jobs(),
                        depth_search=not args.no_depth and config.model.kind != "user", progress=progress)
     result["command"] = command
-    result["advised_bucket"] = advised[0] if advised else None
+    result["advised_bucket"] = advised
     result["seconds"] = round(time.perf_counter() - started, 1)  # the prediction's, before any --check
     if args.check:
         result["checked"] = check_candidates(config, result, args.check, out, command, progress)

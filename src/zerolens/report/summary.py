@@ -228,20 +228,28 @@ def recommended_bucket(psi: int, world_size: int) -> int:
     return share // scale * scale
 
 
+def advised_bucket(reduce_bucket_size: float, psi: int, world_size: int) -> int | None:
+    """The bucket verify, estimate and plan advise where `reduce_bucket_size` outweighs all the gradients
+    (`psi` elements that train; ZeRO's bucket alone can then need more than the baseline's whole step):
+    recommended_bucket; None where it does not."""
+    return recommended_bucket(int(psi), world_size) if reduce_bucket_size > psi else None
+
+
 def bucket_notes(config, strategies: dict, psi: int) -> tuple[list[str], list[str]]:
     """The case study's pitfall: a reduce bucket larger than all gradients (ZeRO-1/2 allocate it on
     every backward, ZeRO-3 keeps one: the registry says which), measured against the baseline's peak
     where the allocator can tell. `psi`: the elements of the parameters that train. (The notes for
     report.md, and one line each for the terminal where the strategy's peak is above the baseline's
     or was not measured: a bucket that outweighs the gradients while sharding still saves memory is no alarm.)"""
+    advised = advised_bucket(config.reduce_bucket_size, psi, config.nproc)
+    if advised is None:
+        return [], []
     element = ELEMENT_BYTES[config.precision]
     bucket, grads = config.reduce_bucket_size * element, psi * element
-    if bucket <= grads:
-        return [], []
     notes, headlines = [], []
     base = strategies[config.baseline]["ranks"][0]["peak_bytes"]
     lifetime = {"every backward": "allocated on every backward", "whole run": "kept for the whole run"}
-    recommended = f"{recommended_bucket(psi, config.nproc):.0e}"
+    recommended = f"{advised:.0e}"
     try_bucket = (f"Try zero_optimization.reduce_bucket_size {recommended} in the --ds-config file" if config.ds_config
                   else f"Try --reduce-bucket-size {recommended}")
     for name in strategies:
