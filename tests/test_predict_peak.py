@@ -136,7 +136,7 @@ def test_a_reduction_through_a_view_of_zero2s_bucket_lets_gloo_free_the_bucket_l
     parser = argparse.ArgumentParser()
     add_verify_arguments(parser)
     config = config_from_args(parser.parse_args(
-        ["--model", "zerolens_test_models:one_weight", "--batch", "zerolens_test_models:vector_batch", "--nproc", "2",
+        ["--model", "zerolens_test_models:one_weight", "--batch", "zerolens_test_models:small_batch", "--nproc", "2",
          "--strategies", "zero2", "--reduce-bucket-size", "1e3"]), world_size=2)
     zero2 = predict_peaks("zero2", config.model, config.train_settings(), steps=1)
     assert zero2["gloo_late_free_bytes"] == {"backward": [2, 2000]}  # the slice's copy, and the bf16 bucket

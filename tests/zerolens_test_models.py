@@ -253,7 +253,7 @@ def with_batch_norm():
 
 
 def one_weight():
-    """For --model with vector_batch: one parameter of one element, scaling the first 5 features."""
+    """For --model with small_batch: one parameter of one element, scaling the first 5 of its 7 features."""
     class OneWeight(nn.Module):
         def __init__(self):
             super().__init__()
@@ -264,10 +264,3 @@ def one_weight():
             return x[:, :5] * self.scale
     return OneWeight()
 
-
-def vector_batch(step, batch_size, seed):
-    """For --batch: 32 features; the class is the largest of the first 5."""
-    import torch
-    gen = torch.Generator().manual_seed(seed * 1000 + step)
-    x = torch.randn(batch_size, 32, generator=gen)
-    return x, x[:, :5].argmax(1)
