@@ -329,15 +329,9 @@ def test_a_hint_that_is_a_boundary_ends_the_search(monkeypatch):
     it): where it runs and one granule below it does not, it is the answer, after two runs; anything else, and
     the search goes on as without it. On the sequence above, whose runs are not monotonic in the cap, 44 MiB
     is such a boundary as much as the bisection's 36 MiB."""
-    import zerolens.predict.allocator as allocator
     sequence = [("alloc", 0, 16 * MiB, 0), ("free", 0, 0, 0), ("alloc", 1, 24 * MiB, 0), ("free", 1, 0, 0),
                 ("alloc", 2, 16 * MiB, 0), ("alloc", 3, 12 * MiB, 0), ("free", 2, 0, 0), ("alloc", 4, 20 * MiB, 0)]
-    tried, runs = [], allocator.runs
-
-    def counted(requests, cap, **settings):
-        tried.append(cap // MiB)
-        return runs(requests, cap, **settings)
-    monkeypatch.setattr(allocator, "runs", counted)
+    tried = capped_runs_counted(monkeypatch)
     assert smallest_cap(sequence) == 36 * MiB
     assert smallest_cap(sequence, hint=44 * MiB) == 44 * MiB and tried[-2:] == [42, 44]
     for not_a_boundary in (38, 40, 60, 43, 20):  # runs one below; fails; the reserved peak; not a granule; too low
@@ -347,6 +341,62 @@ def test_a_hint_that_is_a_boundary_ends_the_search(monkeypatch):
     tried.clear()
     assert smallest_cap(requests, hint=cap) == cap and len(tried) == 2
     assert smallest_cap(requests, hint=cap + 4 * SMALL_BUFFER) == cap
+
+
+def capped_runs_counted(monkeypatch) -> list[int]:
+    """The caps (MiB) of the capped runs the allocator model makes from here on, in order."""
+    import zerolens.predict.allocator as allocator
+    tried, run = [], allocator.CappedRuns.run
+
+    def counted(self, requests, cap):
+        tried.append(cap // MiB)
+        return run(self, requests, cap)
+    monkeypatch.setattr(allocator.CappedRuns, "run", counted)
+    return tried
+
+
+def bisected(requests: list, granularity: int = SMALL_BUFFER) -> int:
+    """smallest_cap's search, written plainly: each cap it tries run (no hint)."""
+    def runs_at(granules: int) -> bool:
+        try:
+            run_requests(requests, cap=granules * granularity)
+        except OutOfMemory:
+            return False
+        return True
+    free_run = run_requests(requests)
+    low, high = -(-free_run.allocated_peak // granularity), -(-free_run.reserved_peak // granularity)
+    if low < high:
+        if not runs_at(high - 1):
+            return high * granularity
+        high -= 1
+    if low < high and runs_at(low):
+        return low * granularity
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if runs_at(middle) else (middle + 1, high)
+    return high * granularity
+
+
+def test_a_cap_on_the_path_of_a_run_made_is_not_run_again(monkeypatch):
+    """A capped run takes the same path under every cap from the most it reserved with a segment it made (its
+    `granted`) up to below the least it was refused (`refused`): smallest_cap answers such a cap from that run.
+    The caps it finds are the plain bisection's, on a sequence whose runs are not monotonic in the cap and on
+    TinyLlama's recorded history, whose search the plain bisection ends after 11 runs (2 MiB granules) and 10
+    (8 MiB): 4 and 3 here."""
+    tried = capped_runs_counted(monkeypatch)
+    sequence = [("alloc", 0, 16 * MiB, 0), ("free", 0, 0, 0), ("alloc", 1, 24 * MiB, 0), ("free", 1, 0, 0),
+                ("alloc", 2, 16 * MiB, 0), ("alloc", 3, 12 * MiB, 0), ("free", 2, 0, 0), ("alloc", 4, 20 * MiB, 0)]
+    run = run_requests(sequence, cap=38 * MiB)  # the 24 MiB block refused beside the cached 16 MiB segment
+    assert (run.granted, run.refused) == (36 * MiB, 40 * MiB)
+    with pytest.raises(OutOfMemory) as error:
+        run_requests(sequence, cap=42 * MiB)
+    assert (error.value.granted, error.value.refused) == (40 * MiB, 44 * MiB)
+    tinyllama = requests_of_recording(recording("tinyllama-default"))
+    for requests, granularity, runs in ((sequence, SMALL_BUFFER, 3), (tinyllama, SMALL_BUFFER, 4),
+                                        (tinyllama, 4 * SMALL_BUFFER, 3)):
+        tried.clear()
+        assert smallest_cap(requests, granularity=granularity) == bisected(requests, granularity)
+        assert len(tried) == runs
 
 
 def test_every_sequence_searched_with_hints_gives_allocator_needs_of_each():

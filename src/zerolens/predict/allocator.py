@@ -70,7 +70,12 @@ ADDRESS_ORDERS = ("downwards", "upwards")
 
 
 class OutOfMemory(Exception):
-    """The request cannot be served within the cap, even after every cached segment was freed."""
+    """The request cannot be served within the cap, even after every cached segment was freed. `granted`
+    and `refused`: the run's (CachingAllocator's), up to this request."""
+
+    def __init__(self, message: str, granted: int = 0, refused: int | None = None):
+        super().__init__(message)
+        self.granted, self.refused = granted, refused
 
 
 @dataclass(eq=False, slots=True)  # slots: a 70B model's replays make and touch millions of them
@@ -196,6 +201,11 @@ class CachingAllocator:
         # Where asked (run_requests without a cap): the memory reserved with each segment made or page
         # mapped, as the cap is checked (the reserved bytes and the request's segment size), in order.
         self.demands: list[int] | None = None
+        # The most reserved with a segment it made or mapped (the reserved bytes and the segment, as the
+        # cap is checked), and under a cap the least it refused (None: none): the run takes the same path,
+        # request for request, under every cap from the one up to below the other (smallest_cap).
+        self.granted: int = 0
+        self.refused: int | None = None
         self._lowest_address = self._next_address = 1 << 56
         if addresses not in ADDRESS_ORDERS:
             raise ValueError(f"addresses: one of {ADDRESS_ORDERS}, got {addresses!r}")
@@ -310,16 +320,21 @@ class CachingAllocator:
             block = self._new_memory(pool, size, stream, small)
         if block is None:
             raise OutOfMemory(f"{segment_size(size)} bytes more would pass the cap of {self.cap} "
-                              f"({self.reserved} reserved, {self.allocated} allocated)")
+                              f"({self.reserved} reserved, {self.allocated} allocated)", self.granted, self.refused)
         return block
 
     def _new_memory(self, pool: Pool, size: int, stream: int, small: bool) -> Block | None:
         """A segment cudaMalloc'd, or an expandable segment's pages mapped; None past the cap, which is
         checked against the segment the request would get either way (alloc_block: p.alloc_size)."""
+        demand = self.reserved + segment_size(size)
         if self.demands is not None:  # a run without a cap records where a cap would first stop it
-            self.demands.append(self.reserved + segment_size(size))
-        if self.cap is not None and self.reserved + segment_size(size) > self.cap:
+            self.demands.append(demand)
+        if self.cap is not None and demand > self.cap:
+            if self.refused is None or demand < self.refused:
+                self.refused = demand
             return None
+        if demand > self.granted:
+            self.granted = demand
         if self.expandable:
             return self._expand(pool, size, stream, small)
         address = self.place_segment(segment_size(size))
@@ -703,22 +718,39 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     cap can be lower), then by bisection between the two. Each answer runs and the cap one granule below
     it does not (or it is the allocated peak's): `hint`, a cap that may be such a boundary (a sequence
     alike's: ZeRO-1/2's ranks differ in a few of their allocations), is tried first, and ends the search
-    where it is one."""
+    where it is one.
+
+    Each run answers for every cap that takes its path (CachingAllocator's `granted` to below `refused`):
+    a cap inside the path of a run made before is answered from it, not run (gpt-1b's plan: a third
+    fewer runs, the same caps)."""
     free_run = uncapped if uncapped is not None else run_requests(requests, **settings)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
+    paths: list[tuple[int, int | None, bool]] = []  # each run's path: its lowest cap, the cap it refused, whether it ran
+
+    def runs_at(granules: int) -> bool:
+        cap = granules * granularity
+        for granted, refused, ran in paths:
+            if granted <= cap and (refused is None or cap < refused):
+                return ran
+        try:
+            run = CappedRuns.of(free_run).run(requests, cap)
+            paths.append((run.granted, run.refused, True))
+        except OutOfMemory as e:
+            paths.append((e.granted, e.refused, False))
+        return paths[-1][2]
+
     if hint is not None and hint % granularity == 0 and low < hint // granularity < high:
         guess = hint // granularity
         # Where runs are not monotonic in the cap, several caps are such boundaries and the bisection's
         # path picks one; the hint's is as much the sequence's as the one the bisection would find.
-        if not runs(requests, (guess - 1) * granularity, uncapped=free_run) \
-                and runs(requests, guess * granularity, uncapped=free_run):
+        if not runs_at(guess - 1) and runs_at(guess):
             return guess * granularity
     # First one granule below the reserved peak: the answer is the reserved peak itself in most runs of
     # the default allocator and a third of those with expandable segments (docs/results/1xh200/issue21,
     # traces.json.gz), where this one run ends the search.
     if low < high:
-        if not runs(requests, (high - 1) * granularity, uncapped=free_run):
+        if not runs_at(high - 1):
             return high * granularity
         high -= 1
     # Then the lowest, below which no cap serves the allocated peak: the answer of the default allocator
@@ -726,11 +758,11 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     # where this one run ends the search (docs/results/cpu-2proc/issue22/replays/).
     # Where it fails, the bisection goes on as without it (bounds untouched): a sequence's runs are not
     # monotonic in the cap (runs_under), and another path can end at another cap.
-    if low < high and runs(requests, low * granularity, uncapped=free_run):
+    if low < high and runs_at(low):
         return low * granularity
     while low < high:
         middle = (low + high) // 2
-        if runs(requests, middle * granularity, uncapped=free_run):
+        if runs_at(middle):
             high = middle
         else:
             low = middle + 1
