@@ -42,7 +42,14 @@ from zerolens.models.model import (
 )
 from zerolens.predict.allocator import allocator_needs, neediest_needs
 from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
-from zerolens.predict.repeat import CARRIED, repeated_step, second_step, second_step_follows
+from zerolens.predict.repeat import (
+    CARRIED,
+    repeated_step,
+    second_step,
+    second_step_follows,
+    third_step_once,
+    third_step_once_follows,
+)
 from zerolens.predict.without_gpu import cuda_bytes, gpu_behaviour
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import PHASES
@@ -392,12 +399,13 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 
         step_starts: list[int] = []  # where each step's requests begin (predict/repeat.py)
-        written, repeated, held_after_first = None, None, None
+        written, repeated, once = None, None, False
+        held_before: list[int] = []  # what the tracker holds where each step begins
         for step in range(steps):
             if requests is not None:
                 step_starts.append(len(requests))
+            held_before.append(tracker_total(tracker, "current"))
             if step == 1:
-                held_after_first = tracker_total(tracker, "current")
                 # The second step, written from the first where a full trace showed it so (its peaks below)
                 written = second_step(requests, step_starts, raw, inside, setup_freed or CARRIED) \
                     if second_from_first else None
@@ -408,9 +416,15 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             # A CUDA target's third step, written from its second where that leaves the state it found.
             repeated = repeated_step(requests, step_starts, raw, inside) \
                 if repeat and step == 2 and cuda_capability is not None else None
+            # Else, after a traced second step, where a full trace showed the third to be the second without
+            # what the second changed once (DDP's rebuilt buckets: predict/repeat.py, third_step_once)
+            if repeated is None and repeat and step == 2 and written is None \
+                    and THIRD_STEP_ONCE.get(follows_key) and cuda_capability is not None:
+                repeated = third_step_once(requests, step_starts, raw, inside)
+                once = repeated is not None
             if repeated is not None:
                 requests.extend(repeated)
-                traced.append(dict(traced[-1]))
+                traced.append(dict(traced[-1]))  # under third_step_once, its own figures below
                 break
             # The rank's micro-batch as the step sees it. A CPU run's loop holds it through the step.
             # On CUDA it is copied to the GPU in forward and held by the graph only: on fake CUDA
@@ -434,10 +448,15 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         numbered_in_order(requests, raw, inside)
     if written is not None:  # the tracker's figures beside the sequence, of its one traced step, for the others
         held = steps_written_from_first(requests, step_starts, traced, held)
+    elif once:  # the same beside the sequence as in the second step; it holds after it what the second did
+        held = steps_written_from_first(requests, step_starts, traced, held, source=1)
     elif requests is not None and repeat and cuda_capability is not None and len(step_starts) >= 3:
         rule = second_step_follows(requests, step_starts)
         SECOND_STEP_FOLLOWS[follows_key] = \
-            rule if rule and beside_alike(requests, step_starts, traced, held_after_first, held) else None
+            rule if rule and beside_alike(requests, step_starts, traced, held_before[1], held) else None
+        if repeated is None:  # all three steps traced
+            THIRD_STEP_ONCE[follows_key] = third_step_once_follows(requests, step_starts) \
+                and beside_alike(requests, step_starts, traced, held_before[2], held, step=2)
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
     record = {"requests": requests, "raw": raw, "inside": inside, "geometry": geometry,
               "phase_peaks": phase_peaks, "held": held, "step_model": step_model,
@@ -454,6 +473,9 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
 # (predict/repeat.py), so that later traces of it stop after one step (traced_rank's `second_from_first`):
 # under which rule for the set-up's storages the first step frees (repeat.SETUP_FREED), or None.
 SECOND_STEP_FOLLOWS: dict[str, str | None] = {}
+# Likewise, whether a full trace of three traced steps showed its third to be its second written by
+# repeat.third_step_once (DDP's, whose second step rebuilds its buckets): later traces of it stop after two.
+THIRD_STEP_ONCE: dict[str, bool] = {}
 
 
 def second_step_key(name: str, model_config: ModelConfig, settings: TrainSettings, **trace) -> str:
@@ -491,30 +513,36 @@ def numbered_in_order(requests: list, raw: dict, inside: dict) -> None:
         table.update(renumbered)
 
 
-def counted_by_step(requests: list, step_starts: list[int]) -> tuple[dict, int, int]:
+def counted_by_step(requests: list, step_starts: list[int], step: int = 1) -> tuple[dict, int, int]:
     """What the tracker counts of a trace's sequence (without the cuBLAS workspaces): the peak per (step,
-    phase), the total at its end, and the total where its second step begins (`step_starts[1]`)."""
+    phase), the total at its end, and the total where step `step` begins (`step_starts[step]`)."""
     peaks, end = sequence_peaks(without_workspaces(requests))
-    return peaks, end, sequence_peaks(without_workspaces(requests[:step_starts[1]]))[1]
+    return peaks, end, sequence_peaks(without_workspaces(requests[:step_starts[step]]))[1]
 
 
-def beside_alike(requests: list, step_starts: list[int], traced: list[dict], held_after_first: int,
-                 held: int) -> bool:
-    """Whether the tracker counted as much beside the sequence in a trace's second step as in its first, in
-    each phase and after it: what steps_written_from_first takes of the first for the steps it writes."""
-    peaks, end, end_of_first = counted_by_step(requests, step_starts)
-    return held - end == held_after_first - end_of_first and \
-        all(traced[1][phase] - peaks[(1, phase)] == traced[0][phase] - peaks[(0, phase)] for phase in PHASES)
+def beside_alike(requests: list, step_starts: list[int], traced: list[dict], held_before: int,
+                 held: int, step: int = 1) -> bool:
+    """Whether the tracker counted as much beside the sequence in a trace's step `step` as in the one before,
+    in each phase and after it (`held_before`: what it held where step `step` began; `held`, at the end, the
+    trace having no steps after it): what steps_written_from_first takes of the one before for the steps it
+    writes."""
+    peaks, end, end_before = counted_by_step(requests, step_starts, step)
+    return held - end == held_before - end_before and all(
+        traced[step][phase] - peaks[(step, phase)] == traced[step - 1][phase] - peaks[(step - 1, phase)]
+        for phase in PHASES)
 
 
-def steps_written_from_first(requests: list, step_starts: list[int], traced: list[dict], held: int) -> int:
-    """For a trace whose later steps were written from its one traced step: each written step's peak per
-    phase (`traced[1:]`, filled in) and what the tracker would hold after the last, each the sequence's
-    own plus what the tracker counted beside it in the first step (`held`: what it held after that one)."""
-    peaks, end, end_of_first = counted_by_step(requests, step_starts)
-    for step in range(1, len(traced)):
-        traced[step] = {phase: peaks[(step, phase)] + traced[0][phase] - peaks[(0, phase)] for phase in PHASES}
-    return end + held - end_of_first
+def steps_written_from_first(requests: list, step_starts: list[int], traced: list[dict], held: int,
+                             source: int = 0) -> int:
+    """For a trace whose steps after step `source` were written from it, that one traced last: each
+    written step's peak per phase (`traced[source + 1:]`, filled in) and what the tracker would hold after
+    the last, each the sequence's own plus what the tracker counted beside it in step `source` (`held`:
+    what it held after that one)."""
+    peaks, end, end_of_source = counted_by_step(requests, step_starts, source + 1)
+    for step in range(source + 1, len(traced)):
+        traced[step] = {phase: peaks[(step, phase)] + traced[source][phase] - peaks[(source, phase)]
+                        for phase in PHASES}
+    return end + held - end_of_source
 
 
 def without_workspaces(requests: list) -> list:

@@ -13,8 +13,9 @@ its third step's requests are the second's with fresh ids:
   the second freed their counterparts.
 
 Then the live total at the third step's start is the second's, and so are its peaks and what it holds
-after. DDP fails the check (its second step frees the set-up's buckets and keeps new ones) and is
-traced whole. tests/test_repeat.py compares the written third step with the traced one, request for
+after. DDP fails the check (its second step frees the set-up's buckets and keeps new ones); its third
+step is its second without that rebuild (third_step_once), which a full trace of DDP (three traced
+steps) checks before later traces of it in the process take it, as for the second step below. tests/test_repeat.py compares the written third step with the traced one, request for
 request, for every strategy on the presets, Hugging Face models, gradient accumulation and
 checkpointing.
 
@@ -95,6 +96,28 @@ def second_step(requests: list, step_starts: list[int], raw: dict, inside: dict,
     return written_again([r for r in first if not (r[0] in ALLOCS and r[1] in state)
                           and not (r[0] in FREES and r[1] in freed_once)],
                          {a[1]: b[1] for a, b in zip(carried_in, carried_out)}, requests, raw, inside)
+
+
+def third_step_once(requests: list, step_starts: list[int], raw: dict, inside: dict) -> list | None:
+    """The requests of a trace's third step, written from its second as second_step writes a second from a
+    first under ONCE: what the second freed of the storages made before it is not freed again, and what it
+    allocated and left is not allocated again. DDP's second step rebuilds its buckets (frees those of the
+    set-up, allocates new ones that stay) and its third does neither. Taken only where a full trace of the
+    same strategy, model (at any depth), settings (at any micro-batch) and rank showed it so
+    (third_step_once_follows; peak.THIRD_STEP_ONCE); else the third step is traced. `step_starts`: where
+    each traced step began, and where the third begins; `raw`, `inside`: as repeated_step's."""
+    return second_step(requests, step_starts, raw, inside, ONCE)
+
+
+def third_step_once_follows(requests: list, step_starts: list[int]) -> bool:
+    """Whether a trace's traced third step is its second written by third_step_once (`step_starts`: where
+    each of the three began)."""
+    if len(step_starts) < 3:
+        return False
+    second, third = step_starts[1], step_starts[2]
+    written = third_step_once(requests[:third], [second, third], {}, {})
+    known = {r[1]: r[1] for r in requests[:third] if r[0] in ALLOCS}
+    return written is not None and alike(written, requests[third:], known=known)
 
 
 def written_again(step: list, successor: dict, requests: list, raw: dict, inside: dict) -> list:
