@@ -387,7 +387,7 @@ def render_plan(result: dict, top: int) -> list:
     lines = [f"zerolens plan: {result['model']} ({count(result['params'])} parameters), {result['world_size']} "
              f"ranks, {result['precision']}, {in_unit(memory, unit, 2)} {label} per GPU (CUDA, compute capability "
              f"{result['cuda_capability']}), the {setting} allocator; one micro-batch per optimizer step "
-             "(plan does not search gradient accumulation; estimate --grad-accum predicts DDP's and FSDP2's)"]
+             "(plan does not search gradient accumulation; estimate --grad-accum predicts it)"]
     if result.get("advised_bucket"):
         lines.append(f"The default reduce bucket outweighs all this model's gradients: ZeRO planned with bucket "
                      f"{bucket_text(result['advised_bucket'])} too, at most one rank's share of them "

@@ -27,8 +27,8 @@ def reference_of(name: str) -> str | None:
 
 def run_reference(name: str, config, device: torch.device) -> dict:
     """This rank's step times of the reference loop `name` (reference-<strategy>): warm-up steps first,
-    as bench runs its own; and its losses, the global batch's (the mean over ranks) as zerolens reports
-    them."""
+    as bench runs its own; and its losses, the global batch's (the mean over its micro-batches and over
+    ranks) as zerolens reports them."""
     batches = rank_batches(config.model, seed=config.seed, micro_batch=config.micro_batch, signal=config.signal,
                            rank=dist.get_rank(), world_size=dist.get_world_size())
     strategy_name = name.removeprefix(PREFIX)
@@ -40,10 +40,10 @@ def run_reference(name: str, config, device: torch.device) -> dict:
         micro_batches = [next(batches) for _ in range(config.grad_accum)]  # made before the clock starts
         synchronize(device)
         start = time.perf_counter()
-        loss = step(micro_batches)
+        micro_losses = step(micro_batches)
         synchronize(device)
         seconds.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        losses.append(sum(loss.item() for loss in micro_losses) / len(micro_losses))  # as run/train.py's
     teardown()
     total = torch.tensor(losses, dtype=torch.float32, device=device)
     dist.all_reduce(total)

@@ -181,7 +181,7 @@ class Strategy(abc.ABC):
 
     def reference_loop(self, model: nn.Module, device: torch.device):
         """The loop this backend's users write, without zerolens, with this strategy's settings (bench's
-        reference, run/reference.py): (step(micro_batches) -> the last micro-batch's loss, teardown(),
+        reference, run/reference.py): (step(micro_batches) -> each micro-batch's loss, undivided, teardown(),
         what it is in a few words); None where zerolens has none."""
         return None
 

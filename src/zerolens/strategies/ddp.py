@@ -139,14 +139,16 @@ class TorchDDP(ScaledStrategy):
         scaler = torch.amp.GradScaler(device.type, enabled=s.precision == "fp16")
 
         def step(micro_batches):
+            losses = []
             for i, (tokens, labels) in enumerate(micro_batches):
                 with contextlib.nullcontext() if i == len(micro_batches) - 1 else ddp.no_sync():
                     with torch.autocast(device.type, dtype=DTYPES[s.precision], enabled=s.precision != "fp32"):
                         logits = ddp(tokens.to(device))
-                    loss = self.loss(logits, labels.to(device)) / len(micro_batches)
-                    scaler.scale(loss).backward()
+                    loss = self.loss(logits, labels.to(device))
+                    losses.append(loss.detach())
+                    scaler.scale(loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
             optimizer_step(scaler, optimizer, model, s.gradient_clipping)
-            return loss.detach()
+            return losses
 
         return step, lambda: None, "DistributedDataParallel, torch.optim.AdamW, autocast"
 

@@ -305,11 +305,13 @@ class DeepSpeedZero(Strategy):
         dtype = DTYPES[self.settings.precision]
 
         def step(micro_batches):
+            losses = []
             for tokens, labels in micro_batches:
                 loss = self.loss(engine(engine_inputs(tokens, device, dtype)), labels.to(device))
-                engine.backward(loss)
+                losses.append(loss.detach())
+                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
                 engine.step()
-            return loss.detach()
+            return losses
 
         def teardown():
             engine.destroy()

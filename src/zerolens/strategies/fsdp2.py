@@ -189,11 +189,13 @@ class TorchFSDP2(ScaledStrategy):
         scaler = ShardedGradScaler(device.type, enabled=s.precision == "fp16")
 
         def step(micro_batches):
+            losses = []
             for tokens, labels in micro_batches:
-                loss = self.loss(model(tokens.to(device)), labels.to(device)) / len(micro_batches)
-                scaler.scale(loss).backward()
+                loss = self.loss(model(tokens.to(device)), labels.to(device))
+                losses.append(loss.detach())
+                scaler.scale(loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
             optimizer_step(scaler, optimizer, model, s.gradient_clipping)
-            return loss.detach()
+            return losses
 
         return step, lambda: None, "fully_shard per block and the root, torch.optim.AdamW"
 
