@@ -328,6 +328,24 @@ def test_a_fresh_process_predicts_what_this_one_does(tmp_path):
         assert all(r["peak_during_step"] == r["last_step"]["peak_during_step"] for r in ranks)
 
 
+def test_each_rank_predicts_its_share_and_rank_0_gathers_them(tmp_path):
+    """verify's ranks each predict every world_size-th strategy in a process of their own (none where there
+    are fewer strategies than ranks); rank 0 gathers the parts, in the run's order of strategies, into
+    predicted_peaks.json and removes them; a rank whose part is missing leaves its strategies a why_not."""
+    from zerolens.run.prediction import PREDICTED_PEAKS, gathered, part_name, share_of
+    strategies = ("ddp", "zero0", "zero1", "zero2", "fsdp2")
+    assert [share_of(strategies, r, 2) for r in range(2)] == [("ddp", "zero1", "fsdp2"), ("zero0", "zero2")]
+    assert share_of(("ddp",), 1, 2) == ()
+    config = saved_run_config(tmp_path, strategies=("fsdp2-grad", "fsdp2", "ddp"))
+    (tmp_path / part_name(0)).write_text(json.dumps({"fsdp2-grad": {"ranks": [1]}}))
+    (tmp_path / part_name(2)).write_text(json.dumps({"ddp": {"ranks": [3]}}))
+    predicted = gathered(config, tmp_path, 4)  # rank 1's part (fsdp2) missing; rank 3 had none to make
+    assert list(predicted) == ["fsdp2-grad", "fsdp2", "ddp"]
+    assert predicted["ddp"] == {"ranks": [3]} and predicted["fsdp2"] == {"why_not": "rank 1's prediction wrote nothing"}
+    assert json.loads((tmp_path / PREDICTED_PEAKS).read_text()) == predicted
+    assert not list(tmp_path.glob("predicted_peaks.rank*"))
+
+
 def test_a_prediction_that_fails_or_takes_too_long_leaves_each_strategy_why_not(tmp_path):
     """The run goes on without a prediction: each strategy says why, with what the process said."""
     from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process

@@ -171,6 +171,12 @@ def test_worker_runs_unchanged_under_torchrun(tmp_path):
     # 8 steps keep this quick: every check passes ("loss fell" wants 40 steps and is not made).
     assert all(c["passed"] for c in summary["checks"]), summary["checks"]
     assert result.stdout.count("Memory per rank") == 1
+    # Under another launcher each rank predicted its share of the strategies in a process of its own
+    prediction = [json.loads(line) for line in (out / "logs" / "wall_time.jsonl").read_text().splitlines()
+                  if json.loads(line)["part"] == "prediction"]
+    assert [p["shares"] for p in prediction] == [[["zero0"], ["zero2"]]]
+    assert all("ranks" in p for p in json.loads((out / "predicted_peaks.json").read_text()).values())
+    assert not list(out.glob("predicted_peaks.rank*"))
 
 
 @pytest.mark.slow

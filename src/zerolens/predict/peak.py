@@ -749,15 +749,16 @@ def why_not_predicted(name: str, config) -> str | None:
 
 
 def predicted_peaks(config, cuda_capability: tuple[int, int] | None, trace_on: str | None = None,
-                    trace=None, allocator_caps: str = "every", try_cap: int | None = None) -> dict[str, dict]:
-    """Per strategy of a run (a RunConfig): `ranks`, each rank's predicted peaks, or `why_not`. As
-    many steps are traced as the run has, up to STEPS (a bench of fewer steps has fewer). `trace`,
-    `allocator_caps`, `try_cap`: as predict_or_why_not."""
+                    trace=None, allocator_caps: str = "every", try_cap: int | None = None,
+                    strategies: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """Per strategy of a run (a RunConfig; `strategies`: those of them, where given): `ranks`, each rank's
+    predicted peaks, or `why_not`. As many steps are traced as the run has, up to STEPS (a bench of fewer
+    steps has fewer). `trace`, `allocator_caps`, `try_cap`: as predict_or_why_not."""
     return {name: predict_or_why_not(name, config.model, config.train_settings(), seed=config.seed,
                                      cuda_capability=cuda_capability, trace_on=trace_on, trace=trace,
                                      allocator_caps=allocator_caps, try_cap=try_cap,
                                      steps=min(STEPS, config.steps + config.warmup_steps))
-            for name in config.strategies}
+            for name in (config.strategies if strategies is None else strategies)}
 
 
 def predict_or_why_not(name: str, model_config: ModelConfig, settings: TrainSettings, *, trace=None,

@@ -1,4 +1,6 @@
-"""verify's peak prediction, made before training by a fresh process that rank 0 starts and waits for.
+"""verify's peak prediction, made before training by fresh processes: each rank starts one for its share
+of the strategies (share_of), and rank 0 gathers their parts into predicted_peaks.json (gathered), so
+that the ranks that used to wait for rank 0's one process trace too.
 
 A training worker cannot trace in its own process: its default process group leaves no room for the
 trace's fake one, and a backend may have patched torch (DeepSpeed's ZeRO-3 does).
@@ -16,15 +18,43 @@ from zerolens.strategies import registry
 PREDICTED_PEAKS = "predicted_peaks.json"  # in a run folder: made before training (worker.py)
 
 
+def part_name(rank: int) -> str:
+    """The file in a run folder where rank `rank`'s share of the prediction goes, until gathered."""
+    return f"predicted_peaks.rank{rank}.json"
+
+
+def share_of(strategies: tuple[str, ...], rank: int, world_size: int) -> tuple[str, ...]:
+    """The strategies rank `rank` of `world_size` predicts: every world_size-th, from its own place (none
+    where there are fewer strategies than ranks)."""
+    return tuple(strategies[rank::world_size])
+
+
+def gathered(config, run_folder: Path, world_size: int) -> dict:
+    """The ranks' parts (part_name) of the prediction, in the run's order of strategies, written to the run
+    folder's predicted_peaks.json; the parts, zerolens's own, removed. A part missing (its rank's process
+    left none) leaves its strategies a `why_not`."""
+    predicted = {}
+    for rank in range(world_size):
+        part = run_folder / part_name(rank)
+        share = share_of(config.strategies, rank, world_size)
+        made = json.loads(part.read_text()) if part.exists() else {}
+        predicted |= {name: made.get(name, {"why_not": f"rank {rank}'s prediction wrote nothing"}) for name in share}
+        part.unlink(missing_ok=True)
+    predicted = {name: predicted[name] for name in config.strategies}
+    write_json(run_folder / PREDICTED_PEAKS, predicted)
+    return predicted
+
+
 # How long rank 0 waits for the prediction's process (predict_in_fresh_process) at most, while the
 # other ranks wait for rank 0 in a barrier (NCCL's times out after 10 minutes).
 PREDICTION_TIMEOUT_S = 300
 
 
-def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[int, int] | None) -> dict:
-    """predicted_peaks of a run (a RunConfig, saved in `run_folder` as config.json), made by a fresh
-    Python process (`python -m zerolens.run.prediction`) and written to the run folder's
-    predicted_peaks.json: a training worker cannot trace in its own process, whose default process
+def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[int, int] | None,
+                             strategies: tuple[str, ...] | None = None, into: str = PREDICTED_PEAKS) -> dict:
+    """predicted_peaks of a run (a RunConfig, saved in `run_folder` as config.json; of `strategies` alone,
+    where given), made by a fresh Python process (`python -m zerolens.run.prediction`) and written to the
+    run folder's file `into`: a training worker cannot trace in its own process, whose default process
     group leaves no room for the trace's fake one, and where a backend may have patched torch
     (DeepSpeed's ZeRO-3 does). A process that fails, or is still running after PREDICTION_TIMEOUT_S
     (or half the hang watchdog's --timeout, which would end every rank), leaves each strategy a
@@ -33,7 +63,9 @@ def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[in
     import sys
 
     timeout = PREDICTION_TIMEOUT_S if config.timeout is None else min(PREDICTION_TIMEOUT_S, config.timeout / 2)
-    command = [sys.executable, "-m", "zerolens.run.prediction", str(run_folder)]
+    strategies = config.strategies if strategies is None else strategies
+    command = [sys.executable, "-m", "zerolens.run.prediction", str(run_folder), "--strategies", ",".join(strategies),
+               "--into", into]
     if cuda_capability is not None:
         command += ["--cuda-capability", ".".join(map(str, cuda_capability))]
     try:
@@ -42,32 +74,35 @@ def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[in
         why, stderr = f"the prediction took more than {timeout:g} s, and its process was ended", e.stderr
     else:
         if result.returncode == 0:
-            return json.loads((run_folder / PREDICTED_PEAKS).read_text())
+            return json.loads((run_folder / into).read_text())
         last_line = ([line for line in result.stderr.splitlines() if line.strip()] or [""])[-1]
         why, stderr = f"the prediction's process failed (exit code {result.returncode}: {last_line})", result.stderr
     if isinstance(stderr, bytes):  # TimeoutExpired keeps what was read before the end as bytes
         stderr = stderr.decode(errors="replace")
     predicted = {name: {"why_not": why_not_predicted(name, config) or why, "traceback": stderr or ""}
-                 for name in config.strategies}
-    write_json(run_folder / PREDICTED_PEAKS, predicted)
+                 for name in strategies}
+    write_json(run_folder / into, predicted)
     return predicted
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m zerolens.run.prediction RUN_FOLDER [--cuda-capability MAJOR.MINOR]: what
-    predict_in_fresh_process runs."""
+    """python -m zerolens.run.prediction RUN_FOLDER [--strategies A,B] [--into FILE] [--cuda-capability
+    MAJOR.MINOR]: what predict_in_fresh_process runs."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m zerolens.run.prediction",
                                      description="Each strategy's peaks, predicted for the run in RUN_FOLDER "
                                                  "(its config.json), into RUN_FOLDER/" + PREDICTED_PEAKS)
     parser.add_argument("run_folder", type=Path)
+    parser.add_argument("--strategies", default=None, help="those of the run's strategies to predict (default: all)")
+    parser.add_argument("--into", default=PREDICTED_PEAKS, help="the file in RUN_FOLDER to write")
     parser.add_argument("--cuda-capability", type=lambda text: tuple(int(n) for n in text.split(".")), default=None,
                         help="the GPU's compute capability, e.g. 9.0 (without it: a CPU run)")
     args = parser.parse_args(argv)
     registry.load_plugins()  # the run's strategies may come from plugins
     config = load_config(str(args.run_folder / "config.json"))
-    write_json(args.run_folder / PREDICTED_PEAKS, predicted_peaks(config, args.cuda_capability))
+    strategies = None if args.strategies is None else tuple(n for n in args.strategies.split(",") if n)
+    write_json(args.run_folder / args.into, predicted_peaks(config, args.cuda_capability, strategies=strategies))
     return 0
 
 

@@ -48,7 +48,7 @@ from zerolens.run.faults import fault_from_environment, leaked_bytes
 from zerolens.run.flags import add_bench_arguments, add_verify_arguments, config_from_args
 from zerolens.run.folder import default_run_folder, is_run_folder, new_run_folder, results_path
 from zerolens.run.launch import LAUNCHER_PID, OUT_OF_MEMORY
-from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process
+from zerolens.run.prediction import PREDICTED_PEAKS, gathered, part_name, predict_in_fresh_process, share_of
 from zerolens.run.reference import PREFIX as REFERENCE_PREFIX
 from zerolens.run.reference import reference_of, run_reference
 from zerolens.run.train import Heartbeat, Phase, train
@@ -520,13 +520,23 @@ def run_rank(argv: list[str] | None) -> int:
                 files.write_json(out / "env.json", environment(config, command, device))
             if not args.config:  # zerolens wrote it; under another launcher rank 0 does
                 save_config(config, out / "config.json", command)
-            if config.predict_peaks and not (out / PREDICTED_PEAKS).exists():
-                # Before anything trains: a prediction made without the measurement.
-                phase.at(strategy="-", step=-1, name="predicting the peaks")
-                capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-                started = time.time()
-                predict_in_fresh_process(config, out, capability)
-                wall_time.note(out, "prediction", time.time() - started)
+        dist.barrier()  # config.json is there before any rank's prediction reads it
+        # Decided by every rank before any could pass the next barrier, after which rank 0 writes the file
+        if config.predict_peaks and not (out / PREDICTED_PEAKS).exists():
+            # Before anything trains: a prediction made without the measurement, each rank's share of the
+            # strategies in a process of its own, gathered by rank 0 (run/prediction.py).
+            phase.at(strategy="-", step=-1, name="predicting the peaks")
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+            started = time.time()
+            share = share_of(config.strategies, rank, dist.get_world_size())
+            if share:
+                predict_in_fresh_process(config, out, capability, share, into=part_name(rank))
+            dist.barrier()
+            if rank == 0:
+                gathered(config, out, dist.get_world_size())
+                wall_time.note(out, "prediction", time.time() - started,
+                               shares=[share_of(config.strategies, r, dist.get_world_size())
+                                       for r in range(dist.get_world_size())])
         dist.barrier()  # the folder is ready before any rank writes into it
         finished = run_strategies(config.job, config, device, out, phase, stop_on_leftover=args.resume,
                                   quiet=args.quiet)
