@@ -15,4 +15,4 @@ verify bf16-weights --model models:bf16_llama --batch models:batch --strategies 
 verify moe --model hf:$R/mixtral-small.json --seq-len 512 --strategies ddp,zero2,fsdp2
 verify user-checkpointing --model models:llama_with_checkpointing --batch models:batch --strategies ddp,zero2,fsdp2
 nvidia-smi --query-gpu=name,driver_version --format=csv > /tmp/device.txt
-tar -C /tmp -czf $OUT/run.tar.gz verify-*.log verify-*-summary.json device.txt
+(cd /tmp && tar -czf $OUT/run.tar.gz verify-*.log verify-*-summary.json device.txt)
