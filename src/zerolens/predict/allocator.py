@@ -726,7 +726,8 @@ def smallest_cap(requests: list[tuple[str, int, int, int]], *, granularity: int 
     free_run = uncapped if uncapped is not None else run_requests(requests, **settings)
     low = -(-free_run.allocated_peak // granularity)  # in granules: below it nothing fits
     high = -(-free_run.reserved_peak // granularity)
-    paths: list[tuple[int, int | None, bool]] = []  # each run's path: its lowest cap, the cap it refused, whether it ran
+    # Each run's path: its lowest cap, the cap it refused (None: none), whether it ran
+    paths: list[tuple[int, int | None, bool]] = []
 
     def runs_at(granules: int) -> bool:
         cap = granules * granularity

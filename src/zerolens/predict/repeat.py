@@ -15,9 +15,9 @@ its third step's requests are the second's with fresh ids:
 Then the live total at the third step's start is the second's, and so are its peaks and what it holds
 after. DDP fails the check (its second step frees the set-up's buckets and keeps new ones); its third
 step is its second without that rebuild (third_step_once), which a full trace of DDP (three traced
-steps) checks before later traces of it in the process take it, as for the second step below. tests/test_repeat.py compares the written third step with the traced one, request for
-request, for every strategy on the presets, Hugging Face models, gradient accumulation and
-checkpointing.
+steps) checks before later traces of it in the process take it, as for the second step below.
+tests/test_repeat.py compares the written third step with the traced one, request for request, for
+every strategy on the presets, Hugging Face models, gradient accumulation and checkpointing.
 
 The second step, likewise, is the first without the state the first made (the optimizer's states, made
 at its first update, and any a model keeps from its first forward): where a full trace of the same

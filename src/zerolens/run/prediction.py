@@ -45,8 +45,8 @@ def gathered(config, run_folder: Path, world_size: int) -> dict:
     return predicted
 
 
-# How long rank 0 waits for the prediction's process (predict_in_fresh_process) at most, while the
-# other ranks wait for rank 0 in a barrier (NCCL's times out after 10 minutes).
+# How long a rank waits for its prediction's process (predict_in_fresh_process) at most, the ranks done
+# first waiting for it in a barrier (NCCL's times out after 10 minutes).
 PREDICTION_TIMEOUT_S = 300
 
 
