@@ -39,7 +39,9 @@ for release in "${releases[@]}"; do
       --strategies ddp,zero0,zero1,zero2,zero3 --steps 4 --out "$venvs/verify-$release" 2>&1 \
       | grep -v -E "^\[[0-9]+/[0-9]+\]|ninja|Emitting|Building extension|Loading extension|Time to load|PyTorch extensions root|Creating extension directory" \
       > "$out/verify-$release.txt"
-  echo "deepspeed $release: $(grep -E '^exit code' "$out/deepspeed-$release.log"), verify: $(grep -E '^Verdict' "$out/verify-$release.txt") after $(( $(date +%s) - start )) s"
+  echo "exit code ${PIPESTATUS[0]}" >> "$out/verify-$release.txt"
+  verdict=$(grep -E '^Verdict' "$out/verify-$release.txt" || echo "no verdict ($(tail -n 1 "$out/verify-$release.txt"))")
+  echo "deepspeed $release: $(grep -E '^exit code' "$out/deepspeed-$release.log"), verify: $verdict after $(( $(date +%s) - start )) s"
 done
 python3 - "$out" "${releases[@]}" <<'PY'
 import json, re, sys
@@ -50,7 +52,13 @@ results = json.loads(path.read_text()) if path.exists() else {}
 for release in releases:
     log = (out / f"deepspeed-{release}.log").read_text()
     summary = re.findall(r"^=+ (.*) in [\d.]+s", log, re.M) or re.findall(r"^(\d+ passed.*?) in ", log, re.M)
+    verify = out / f"verify-{release}.txt"
+    verify_text = verify.read_text() if verify.exists() else ""
+    verdict = re.search(r"^Verdict: (\w+)", verify_text, re.M)
+    verify_exit = re.search(r"^exit code (\d+)", verify_text, re.M)
     results[release] = {"exit_code": int(re.search(r"^exit code (\d+)", log, re.M)[1]),
+                        "verify_verdict": verdict[1] if verdict else None,
+                        "verify_exit_code": int(verify_exit[1]) if verify_exit else None,
                         "pytest": summary[-1] if summary else None,
                         "versions": next(line for line in log.splitlines() if line.startswith("torch ")),
                         "log": f"deepspeed-{release}.log"}

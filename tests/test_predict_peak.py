@@ -346,6 +346,19 @@ def test_each_rank_predicts_its_share_and_rank_0_gathers_them(tmp_path):
     assert not list(tmp_path.glob("predicted_peaks.rank*"))
 
 
+def test_a_ranks_prediction_process_opens_its_cuda_context_on_the_ranks_own_gpu(monkeypatch):
+    """Each rank's prediction process sees the rank's GPU alone (as the rank's CUDA_VISIBLE_DEVICES numbers it):
+    without it, every rank's trace opened a CUDA context on GPU 0."""
+    import torch
+
+    from zerolens.run.prediction import on_own_gpu
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert on_own_gpu(torch.device("cuda", 3))["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert on_own_gpu(torch.device("cuda", 1))["CUDA_VISIBLE_DEVICES"] == "5"
+    assert on_own_gpu(torch.device("cpu")) is None
+
+
 def test_a_prediction_that_fails_or_takes_too_long_leaves_each_strategy_why_not(tmp_path):
     """The run goes on without a prediction: each strategy says why, with what the process said."""
     from zerolens.run.prediction import PREDICTED_PEAKS, predict_in_fresh_process

@@ -25,6 +25,13 @@ H200 = (9, 0)
 PREDICTED = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2-grad", "fsdp2")
 
 
+@pytest.fixture(autouse=True)
+def no_verdicts_of_earlier_tests(monkeypatch):
+    """Each test starts as a fresh process does: no full trace has told it how later steps follow."""
+    monkeypatch.setattr(peak, "SECOND_STEP_FOLLOWS", {})
+    monkeypatch.setattr(peak, "THIRD_STEP_ONCE", {})
+
+
 def test_a_step_that_leaves_what_it_found_is_written_again_with_fresh_ids():
     setup = [("alloc", 0, 4096, 0)]
     # Step 0 makes a state (1) that stays and two gradients (3, 5) that the next step frees, one early and
@@ -105,11 +112,13 @@ def test_a_third_step_is_its_second_without_what_the_second_changed_once():
 def test_a_full_ddp_trace_tells_later_traces_to_write_their_third_step():
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
     assert learned_third_step_once("ddp", dataclasses.replace(PRESETS["gpt-tiny"], num_layers=1), settings)
-    later = traced_rank("ddp", PRESETS["gpt-tiny"], dataclasses.replace(settings, micro_batch=3),
-                        cuda_capability=H200, outcome=False)[1]
-    assert later["repeated_steps"] == 1
-    # FSDP2's third step is its second with fresh ids (repeated_step): no full trace of it tells otherwise
-    assert not learned_third_step_once("fsdp2", PRESETS["gpt-tiny"], settings)
+    deeper = dataclasses.replace(settings, micro_batch=3)
+    later, traced = [traced_rank("ddp", PRESETS["gpt-tiny"], deeper, cuda_capability=H200, outcome=False,
+                                 repeat=repeat)[1] for repeat in (True, False)]
+    assert later["repeated_steps"] == 1 and traced["repeated_steps"] == 0
+    assert alike(later["requests"], traced["requests"])
+    assert later["phase_peaks"] == traced["phase_peaks"] and later["held"] == traced["held"]
+    assert rank_outcome(later) == rank_outcome(traced)
 
 
 def test_ddps_third_step_written_is_its_third_step_traced():
@@ -212,7 +221,6 @@ def test_zero2s_second_step_written_is_its_second_step_traced():
 def test_a_full_trace_tells_later_traces_at_other_depths_and_micro_batches_to_write_their_second_step():
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
     shallow = dataclasses.replace(PRESETS["gpt-tiny"], num_layers=1)
-    peak.SECOND_STEP_FOLLOWS.clear()
     first = traced_rank("fsdp2", shallow, settings, cuda_capability=H200, outcome=False)[1]
     later = traced_rank("fsdp2", PRESETS["gpt-tiny"], dataclasses.replace(settings, micro_batch=3),
                         cuda_capability=H200, outcome=False)[1]

@@ -448,15 +448,17 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         numbered_in_order(requests, raw, inside)
     if written is not None:  # the tracker's figures beside the sequence, of its one traced step, for the others
         held = steps_written_from_first(requests, step_starts, traced, held)
-    elif once:  # the same beside the sequence as in the second step; it holds after it what the second did
-        held = steps_written_from_first(requests, step_starts, traced, held, source=1)
-    elif requests is not None and repeat and cuda_capability is not None and len(step_starts) >= 3:
-        rule = second_step_follows(requests, step_starts)
-        SECOND_STEP_FOLLOWS[follows_key] = \
-            rule if rule and beside_alike(requests, step_starts, traced, held_before[1], held) else None
-        if repeated is None:  # all three steps traced
-            THIRD_STEP_ONCE[follows_key] = third_step_once_follows(requests, step_starts) \
-                and beside_alike(requests, step_starts, traced, held_before[2], held, step=2)
+    else:
+        if once:  # the same beside the sequence as in the second step; it holds after it what the second did
+            held = steps_written_from_first(requests, step_starts, traced, held, source=1)
+        if requests is not None and repeat and cuda_capability is not None and len(step_starts) >= 3:
+            # Its first two steps traced: whether the second is the first written again
+            rule = second_step_follows(requests, step_starts)
+            SECOND_STEP_FOLLOWS[follows_key] = \
+                rule if rule and beside_alike(requests, step_starts, traced, held_before[1], held) else None
+            if repeated is None:  # all three steps traced
+                THIRD_STEP_ONCE[follows_key] = third_step_once_follows(requests, step_starts) \
+                    and beside_alike(requests, step_starts, traced, held_before[2], held, step=2)
     phase_peaks = {(step, phase): peaks[phase] for step, peaks in enumerate(traced) for phase in PHASES}
     record = {"requests": requests, "raw": raw, "inside": inside, "geometry": geometry,
               "phase_peaks": phase_peaks, "held": held, "step_model": step_model,

@@ -29,6 +29,19 @@ def share_of(strategies: tuple[str, ...], rank: int, world_size: int) -> tuple[s
     return tuple(strategies[rank::world_size])
 
 
+def on_own_gpu(device) -> dict | None:
+    """The environment of a rank's prediction process on a GPU: this one's, with CUDA_VISIBLE_DEVICES naming
+    the rank's own GPU alone (as this process's CUDA_VISIBLE_DEVICES numbers it, where set), so that the
+    CUDA context its trace opens is there, not every rank's on GPU 0. None (this process's environment)
+    off GPUs."""
+    import os
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": visible[index] if index < len(visible) else str(index)}
+
+
 def gathered(config, run_folder: Path, world_size: int) -> dict:
     """The ranks' parts (part_name) of the prediction, in the run's order of strategies, written to the run
     folder's predicted_peaks.json; the parts, zerolens's own, removed. A part missing (its rank's process
@@ -51,7 +64,8 @@ PREDICTION_TIMEOUT_S = 300
 
 
 def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[int, int] | None,
-                             strategies: tuple[str, ...] | None = None, into: str = PREDICTED_PEAKS) -> dict:
+                             strategies: tuple[str, ...] | None = None, into: str = PREDICTED_PEAKS,
+                             env: dict | None = None) -> dict:
     """predicted_peaks of a run (a RunConfig, saved in `run_folder` as config.json; of `strategies` alone,
     where given), made by a fresh Python process (`python -m zerolens.run.prediction`) and written to the
     run folder's file `into`: a training worker cannot trace in its own process, whose default process
@@ -69,7 +83,7 @@ def predict_in_fresh_process(config, run_folder: Path, cuda_capability: tuple[in
     if cuda_capability is not None:
         command += ["--cuda-capability", ".".join(map(str, cuda_capability))]
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         why, stderr = f"the prediction took more than {timeout:g} s, and its process was ended", e.stderr
     else:

@@ -48,7 +48,14 @@ from zerolens.run.faults import fault_from_environment, leaked_bytes
 from zerolens.run.flags import add_bench_arguments, add_verify_arguments, config_from_args
 from zerolens.run.folder import default_run_folder, is_run_folder, new_run_folder, results_path
 from zerolens.run.launch import LAUNCHER_PID, OUT_OF_MEMORY
-from zerolens.run.prediction import PREDICTED_PEAKS, gathered, part_name, predict_in_fresh_process, share_of
+from zerolens.run.prediction import (
+    PREDICTED_PEAKS,
+    gathered,
+    on_own_gpu,
+    part_name,
+    predict_in_fresh_process,
+    share_of,
+)
 from zerolens.run.reference import PREFIX as REFERENCE_PREFIX
 from zerolens.run.reference import reference_of, run_reference
 from zerolens.run.train import Heartbeat, Phase, train
@@ -530,7 +537,8 @@ def run_rank(argv: list[str] | None) -> int:
             started = time.time()
             share = share_of(config.strategies, rank, dist.get_world_size())
             if share:
-                predict_in_fresh_process(config, out, capability, share, into=part_name(rank))
+                predict_in_fresh_process(config, out, capability, share, into=part_name(rank),
+                                         env=on_own_gpu(device))
             dist.barrier()
             if rank == 0:
                 gathered(config, out, dist.get_world_size())
