@@ -19,6 +19,7 @@ from zerolens.models.model import (
     PRESETS,
     load_user_function,
     meta_model,
+    trained_elements,
     weight_bytes_of,
 )
 from zerolens.predict.allocator import allocator_setting, outside_allocator_bytes, outside_allocator_source
@@ -61,8 +62,7 @@ def estimate(*, strategies: tuple[str, ...], world_size: int, precision: str, re
     that predict the strategies' peaks in parallel (commands/workers.py)."""
     param_numels = None if param_shapes is None else [math.prod(shape) for shape in param_shapes]
     psi = sum(param_numels) if param_numels is not None else params
-    trained = psi if param_numels is None or trainable is None else \
-        sum(n for n, trains in zip(param_numels, trainable) if trains)
+    trained = psi if param_numels is None else trained_elements(param_numels, trainable)
     out = {"params": psi, "trained_params": trained, "param_tensors": len(param_numels) if param_numels else None,
            "world_size": world_size, "precision": precision, "reduce_bucket_size": reduce_bucket_size,
            "strategies": {}}

@@ -587,10 +587,10 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
     advised = None
     if not (args.reduce_bucket_sizes or ds_bucket or args.reduce_bucket_size != DEFAULT_REDUCE_BUCKET) \
             and any(registry.spec(name).reduce_bucket for name in config.strategies):
-        from zerolens.models.model import trainable_flags
+        from zerolens.models.model import trainable_flags, trained_elements
         from zerolens.report.summary import advised_bucket
-        trained = sum(math.prod(shape) for shape, trains in zip(parameter_shapes(config.model),
-                                                                trainable_flags(config.model)) if trains)
+        trained = trained_elements([math.prod(shape) for shape in parameter_shapes(config.model)],
+                                   trainable_flags(config.model))
         advised = advised_bucket(buckets[0], trained, config.nproc)
     buckets = sorted({*buckets, *([advised] if advised else [])})
     if args.check and gpus < config.nproc:

@@ -279,6 +279,11 @@ def trainable_flags(config: ModelConfig) -> list[bool]:
     return list(model_built(config).trainable)
 
 
+def trained_elements(numels: list[int], trainable: list[bool] | None) -> int:
+    """The elements of the parameters that train (`trainable`: trainable_flags, None: all), of `numels`."""
+    return sum(n for n, trains in zip(numels, trainable or [True] * len(numels)) if trains)
+
+
 def load_user_function(spec: str):
     """`module:function` -> the function. The module is looked up on sys.path (PYTHONPATH) and in the
     current folder, as `python -m` finds it. ValueError says what is wrong."""

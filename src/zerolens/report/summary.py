@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from statistics import median
 
+from zerolens.models.model import trained_elements
 from zerolens.predict.allocator import allocator_setting
 from zerolens.report.checks import (
     MIN_STEPS_TO_JUDGE_LEARNING,
@@ -169,8 +170,8 @@ def build_summary(config, gathered: list[list[dict]], param_numels: list[int],
         checks.append(metrics)
     notes = [note for note in (config.device_note, config.precision_note) if note]
     notes += [note for i in range(len(config.strategies)) for note in gathered[0][i]["notes"]]
-    trained_elements = sum(n for n, t in zip(param_numels, trainable or [True] * len(param_numels)) if t)
-    long, headline_notes = bucket_notes(config, strategies, trained_elements)  # a frozen one has no gradient
+    trained_psi = trained_elements(param_numels, trainable)
+    long, headline_notes = bucket_notes(config, strategies, trained_psi)  # a frozen one has no gradient
     notes += long
     notes += persistent_parameter_notes(config, strategies)
     notes += leftover_notes(config, strategies, gathered)
