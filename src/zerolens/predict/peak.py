@@ -447,10 +447,10 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     if requests is not None:
         numbered_in_order(requests, raw, inside)
     if written is not None:  # the tracker's figures beside the sequence, of its one traced step, for the others
-        held = steps_written_from_first(requests, step_starts, traced, held)
+        held = steps_written_from(requests, step_starts, traced, held, source=0)
     else:
         if once:  # the same beside the sequence as in the second step; it holds after it what the second did
-            held = steps_written_from_first(requests, step_starts, traced, held, source=1)
+            held = steps_written_from(requests, step_starts, traced, held, source=1)
         if requests is not None and repeat and cuda_capability is not None and len(step_starts) >= 3:
             # Its first two steps traced: whether the second is the first written again
             rule = second_step_follows(requests, step_starts)
@@ -526,7 +526,7 @@ def beside_alike(requests: list, step_starts: list[int], traced: list[dict], hel
                  held: int, step: int = 1) -> bool:
     """Whether the tracker counted as much beside the sequence in a trace's step `step` as in the one before,
     in each phase and after it (`held_before`: what it held where step `step` began; `held`, at the end, the
-    trace having no steps after it): what steps_written_from_first takes of the one before for the steps it
+    trace having no steps after it): what steps_written_from takes of the one before for the steps it
     writes."""
     peaks, end, end_before = counted_by_step(requests, step_starts, step)
     return held - end == held_before - end_before and all(
@@ -534,8 +534,8 @@ def beside_alike(requests: list, step_starts: list[int], traced: list[dict], hel
         for phase in PHASES)
 
 
-def steps_written_from_first(requests: list, step_starts: list[int], traced: list[dict], held: int,
-                             source: int = 0) -> int:
+def steps_written_from(requests: list, step_starts: list[int], traced: list[dict], held: int,
+                       source: int) -> int:
     """For a trace whose steps after step `source` were written from it, that one traced last: each
     written step's peak per phase (`traced[source + 1:]`, filled in) and what the tracker would hold after
     the last, each the sequence's own plus what the tracker counted beside it in step `source` (`held`:
