@@ -319,9 +319,16 @@ def test_a_sequence_can_run_out_of_memory_under_a_cap_above_its_smallest():
     assert all(needs["min_allocator_cap_bytes"]["default"] == 36 * MiB for needs in under.values())
     assert {cap: needs["runs_under_cap"]["default"] for cap, needs in under.items()} == {
         34: False, 36: True, 38: True, 40: False, 42: False, 44: True, 60: True}
-    # with expandable segments the cap is the reserved peak, and a cap below it never runs
-    assert under[60]["min_allocator_cap_bytes"]["expandable_segments"] == 60 * MiB
-    assert [needs["runs_under_cap"]["expandable_segments"] for needs in under.values()] == [False] * 6 + [True]
+    # With a cap to try (plan's), expandable segments are replayed only where the process's own setting (the
+    # default) does not run under it: where the default does not fit, what they would save is said
+    assert [("expandable_segments" in needs["runs_under_cap"]) for needs in under.values()] == [
+        not needs["runs_under_cap"]["default"] for needs in under.values()]
+    assert all(needs["min_allocator_cap_bytes"].keys() == needs["runs_under_cap"].keys() for needs in under.values())
+    # With expandable segments (the process's own setting here) the cap is the reserved peak, and a cap below it
+    # never runs
+    expandable = {cap: allocator_needs(sequence, "expandable_segments:True", try_cap=cap * MiB) for cap in under}
+    assert expandable[60]["min_allocator_cap_bytes"]["expandable_segments"] == 60 * MiB
+    assert [needs["runs_under_cap"]["expandable_segments"] for needs in expandable.values()] == [False] * 6 + [True]
 
 
 def test_a_hint_that_is_a_boundary_ends_the_search(monkeypatch):

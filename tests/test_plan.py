@@ -73,10 +73,13 @@ def test_expandable_segments_are_said_where_they_would_make_it_fit(monkeypatch):
     needs = plan.predicted_peak(config, (9, 0))
     assert needs["needs_expandable_bytes"] < needs["needs_bytes"]  # pages mapped as needed waste less
     memory = needs["needs_expandable_bytes"]
-    result = plan.plan(config, memory=memory, micro_batches=[16], reduce_bucket_sizes=[50_000_000],
+    result = plan.plan(config, memory=memory, micro_batches=[1, 16], reduce_bucket_sizes=[50_000_000],
                        cuda_capability=(9, 0), depth_search=False)
     rescued = [r for r in result["does_not_fit"] if r["fits_with_expandable_segments"]]
     assert rescued
+    # What fits with the default allocator is not replayed with expandable segments
+    assert result["fits"] and all(r["needs_expandable_bytes"] is None and r["fits_with_expandable_segments"] is None
+               for r in result["fits"])
     saved = rescued[0]["needs_bytes"] - rescued[0]["needs_expandable_bytes"]
     text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
     assert "With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True these would fit" in text

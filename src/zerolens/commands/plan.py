@@ -87,7 +87,8 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=No
     """What a one-strategy config needs on each GPU, for its rank that needs the most: the smallest cap
     under which the caching allocator runs its allocations (the allocator setting of this process's
     PYTORCH_CUDA_ALLOC_CONF) plus what the process holds outside the allocator (`needs_bytes`), the
-    same with expandable segments (`needs_expandable_bytes`), and its allocated peaks; or why it is not
+    same with expandable segments (`needs_expandable_bytes`; with `memory`, only where the process's own
+    setting does not fit it, else None), and its allocated peaks; or why it is not
     predicted (`why_not`). With `memory` (a GPU's), whether every rank's allocations also run under that
     memory less what the process holds outside the allocator (`runs_in_memory`, and with expandable
     segments `runs_in_memory_expandable`): runs are not monotonic in the cap (allocator.runs_under), so
@@ -106,18 +107,21 @@ def predicted_peak(config: RunConfig, cuda_capability: tuple[int, int], trace=No
         return {"why_not": predicted["why_not"]}
     setting, _ = allocator_setting()
     ranks = predicted["ranks"]
-    runs = {} if memory is None else {
-        "runs_in_memory": all(r["runs_under_cap"][setting] for r in ranks),
-        "runs_in_memory_expandable": all(r["runs_under_cap"]["expandable_segments"] for r in ranks)}
 
     def searched(setting_: str) -> list[int]:  # the ranks whose smallest cap under the setting was searched
         return [r for r in range(config.nproc) if setting_ in ranks[r].get("min_allocator_cap_bytes", {})]
+    # With expandable segments: replayed where the own setting does not fit the memory (neediest_needs), else None
+    expandable = searched("expandable_segments")
+    runs = {} if memory is None else {
+        "runs_in_memory": all(r["runs_under_cap"][setting] for r in ranks),
+        "runs_in_memory_expandable": all(r["runs_under_cap"]["expandable_segments"] for r in ranks)
+        if expandable else None}
     rank = max(searched(setting), key=lambda r: (ranks[r]["min_allocator_cap_bytes"][setting], ranks[r]["peak_bytes"]))
     peaks = ranks[rank]
     return {"needs_bytes": peaks["min_allocator_cap_bytes"][setting] + outside, "rank": rank,
             "min_allocator_cap_bytes": peaks["min_allocator_cap_bytes"][setting], "outside_allocator_bytes": outside,
             "needs_expandable_bytes": max(ranks[r]["min_allocator_cap_bytes"]["expandable_segments"]
-                                          for r in searched("expandable_segments")) + outside,
+                                          for r in expandable) + outside if expandable else None,
             "reserved_peak_bytes": peaks["reserved_peak_bytes"][setting], "peak_bytes": peaks["peak_bytes"],
             **{k: peaks[k] for k in ("peak_during_forward", "peak_during_backward", "peak_during_step")},
             **{key: peaks[key] for key in ("scaled_from", "depth_scaled_from") if key in peaks}, **runs}
@@ -129,7 +133,11 @@ def fits(peak: dict, memory: int) -> bool:
     return peak["needs_bytes"] <= memory and peak.get("runs_in_memory", True)
 
 
-def fits_with_expandable_segments(peak: dict, memory: int) -> bool:
+def fits_with_expandable_segments(peak: dict, memory: int) -> bool | None:
+    """Whether a predicted_peak fits `memory` with expandable segments; None where they were not replayed
+    (it fits with the process's own setting)."""
+    if peak["needs_expandable_bytes"] is None:
+        return None
     return peak["needs_expandable_bytes"] <= memory and peak.get("runs_in_memory_expandable", True)
 
 
@@ -142,8 +150,8 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
     strategy (deepest_fitting, from the config's own depth; `traced`: every depth predicted and its need;
     `depth_scaled_from`: the depths whose trace was scaled from shallower ones (predict/depths.py), and from which).
-    `predict(config, cuda_capability, memory)`: where each trial is predicted (predicted_peak, or a pool's
-    worker); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
+    `predict(config, cuda_capability, memory)`: how each trial is predicted (predicted_peak, or plan's
+    depth_trial); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
     else None; `progress(line)` hears of each trial. A depth whose need is within the memory but whose
     allocations run out of memory under the memory itself (predicted_peak's `runs_in_memory`) does not
     fit: the search takes its need as one byte more than the memory."""
@@ -270,8 +278,12 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
         if progress:
             progress(f"{len(grid)} configurations, each at micro-batches {', '.join(map(str, sorted(micro_batches)))} "
                      "until one does not fit")
-        walks = {element: executor.submit(micro_batch_walk, config, element, micro_batches, memory, cuda_capability)
-                 for element in grid}
+        # Each strategy's walks in one job (strategy_walks): the later meets in its process what the earlier
+        # traced (torch's caches of operations and shapes, what a backend makes once per process). Per
+        # element of the grid, the future of its strategy's walks.
+        per_strategy = {name: executor.submit(strategy_walks, config, [e for e in grid if e[0] == name],
+                                              micro_batches, memory, cuda_capability) for name in config.strategies}
+        walks = {element: per_strategy[element[0]] for element in grid}
         depths = ({name: searches.submit(deepest_of, config, name, memory, cuda_capability, executor, walks,
                                        progress) for name in config.strategies} if depth_search else {})
         rows, too_large, not_predicted = grid_rows(config, walks, memory, params, progress)
@@ -290,22 +302,29 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
 
 
 def deepest_of(config: RunConfig, name: str, memory: int, cuda_capability: tuple[int, int], executor, walks: dict,
-                 progress) -> dict:
-    """Strategy `name`'s deepest model (largest_depth), each trial predicted in `executor`; the config's own
-    depth taken from the grid's walk of the config's own checkpointing and bucket (`walks`), where it
-    reached the config's micro-batch, not traced again. In a thread of its own: it asks for one trial at
-    a time, and the trials share the pool with the grid."""
+               progress) -> dict:
+    """Strategy `name`'s deepest model (largest_depth), searched in one job of `executor` (depth_search),
+    once the grid's walk of the config's own checkpointing and bucket (`walks`) has its prediction at the
+    config's own depth and micro-batch, which is not traced again. In a thread of its own."""
     element = (name, config.model.activation_checkpointing,
                config.reduce_bucket_size if registry.spec(name).reduce_bucket else None)
+    own = dict(walks[element].result()[element]).get(config.micro_batch) if element in walks else None
+    searched, lines = executor.submit(depth_search, dataclasses.replace(config, strategies=(name,), baseline=name),
+                                      memory, cuda_capability, own).result()
+    for line in lines if progress else ():
+        progress(f"depth search, {line}")
+    return searched
 
-    def known(depth: int) -> dict | None:
-        if depth != config.model.num_layers or element not in walks:
-            return None
-        return dict(walks[element].result()).get(config.micro_batch)
-    return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
-                         predict=lambda c, cap, memory: executor.submit(depth_trial, c, cap, memory).result(),
-                         known=known,
-                         progress=progress and (lambda line: progress(f"depth search, {line}")))
+
+def depth_search(config: RunConfig, memory: int, cuda_capability: tuple[int, int], own: dict | None):
+    """largest_depth of a one-strategy config, every trial in this process, so that they share what the
+    process keeps of earlier traces (the shallow traces a DepthScaling scales from, torch's caches of
+    operations met before); `own`: the config's own depth's prediction, where made. With the lines it told."""
+    lines: list[str] = []
+    searched = largest_depth(config, memory, cuda_capability, predict=depth_trial,
+                             known=lambda depth: own if depth == config.model.num_layers else None,
+                             progress=lines.append)
+    return searched, lines
 
 
 @functools.cache
@@ -325,12 +344,12 @@ def depth_trial(config: RunConfig, cuda_capability: tuple[int, int], memory: int
 
 def grid_rows(config: RunConfig, walks: dict, memory: int, params: int, progress) -> tuple[list, list, dict]:
     """The grid's candidates predicted, each (strategy, checkpointing, bucket) walked in one process from
-    the smallest micro-batch until its first that does not fit (`walks`: each one's future of
-    micro_batch_walk): the rows that fit, those that do not, and why a strategy is not predicted.
-    `params`: the model's parameter count."""
+    the smallest micro-batch until its first that does not fit (`walks`: each one's future of its
+    strategy's walks, strategy_walks): the rows that fit, those that do not, and why a strategy is not
+    predicted. `params`: the model's parameter count."""
     rows, too_large, not_predicted = [], [], {}
     for (name, ckpt, bucket), walk in walks.items():
-        predicted = walk.result()
+        predicted = walk.result()[(name, ckpt, bucket)]
         for micro_batch, peak in predicted:
             c = Candidate(name, micro_batch, ckpt, bucket)
             if "why_not" in peak:
@@ -350,6 +369,12 @@ def grid_rows(config: RunConfig, walks: dict, memory: int, params: int, progress
                      + (f"fits up to micro-batch {max(fitting)}" if fitting else "does not fit")
                      + (f" ({scaled} of {len(predicted)} scaled from the traces of smaller ones)" if scaled else ""))
     return rows, too_large, not_predicted
+
+
+def strategy_walks(config: RunConfig, elements: list[tuple], micro_batches: list[int], memory: int,
+                   cuda_capability: tuple[int, int]) -> dict[tuple, list[tuple[int, dict]]]:
+    """micro_batch_walk of each of one strategy's elements of the grid, in this process, in order."""
+    return {element: micro_batch_walk(config, element, micro_batches, memory, cuda_capability) for element in elements}
 
 
 def micro_batch_walk(config: RunConfig, element: tuple, micro_batches: list[int], memory: int,
