@@ -104,15 +104,16 @@ def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, cli
 
 
 def scaled_step_without_reading_values(scaler, optimizer: torch.optim.Optimizer, module: nn.Module,
-                                       clipping: float) -> bool:
+                                       clipping: float, step=None) -> bool:
     """scaled_step's work for the peak prediction's step models, whose fake tensors have no values:
     fp16's unscale and scale update, the clip, the optimizer's step, the zeroing, without the
-    scaler's reads (its scale, and whether a gradient was inf or nan: the step is taken)."""
+    scaler's reads (its scale, and whether a gradient was inf or nan: the step is taken). `step`: what
+    steps in the optimizer's place, where another does (FSDP2's step model's AdamW on local tensors)."""
     if scaler.is_enabled():
         scaler.unscale_(optimizer)
     if clipping > 0:
         nn.utils.clip_grad_norm_(module.parameters(), clipping)
-    optimizer.step()
+    (step or optimizer.step)()
     if scaler.is_enabled():
         # The new scale given, not computed: FSDP2's ShardedGradScaler computes it on the CPU by
         # reading "found inf". Given or computed, it is written in place, allocating nothing.

@@ -251,11 +251,48 @@ class TorchFSDP2StepModel(TorchFSDP2):
         # the CPU it would not.
         return {} if self.settings.fused_adam else {"foreach": self.cuda}
 
+    def setup(self, model, device):
+        """TorchFSDP2's; its AdamW on the DTensors is unscaled (fp16) and zeroed through as in a run, but
+        another steps: AdamW on the shards' local tensors (local_adamw). On DTensors each of AdamW's
+        foreach operations runs as the same operation on the local tensors, after DTensor works out how it
+        shards: some 1.2 s of processor time per model the first time a process meets it (gpt-1b, 16
+        blocks), paid again at every depth plan's search tries. tests/test_fsdp2_step_model.py checks the
+        trace's allocations, request for request, against AdamW's own step on the DTensors."""
+        super().setup(model, device)
+        self.shards = list(self.module.parameters())
+        self.stepping: torch.optim.Optimizer | None = None  # made at the first step (local_adamw)
+
+    def local_adamw(self) -> torch.optim.Optimizer:
+        """AdamW on the shards' local tensors as they are now, its states kept: a rank whose shards are
+        padded gets unpadded ones at its first forward (predict/repeat.py, ONCE), and a local tensor held
+        from before would keep the padded one alive."""
+        from torch.distributed.tensor import DTensor
+        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in self.shards]
+        if self.stepping is None:
+            self.stepping = torch.optim.AdamW(locals_, lr=self.settings.lr, fused=self.settings.fused_adam or None,
+                                              **self.optimizer_options())
+        (group,) = self.stepping.param_groups
+        for i, (held, local) in enumerate(zip(group["params"], locals_)):
+            if held is not local:
+                group["params"][i] = local
+                if held in self.stepping.state:
+                    self.stepping.state[local] = self.stepping.state.pop(held)
+        return self.stepping
+
     def step(self):
-        # DTensor ops run here (the clip's norms, AdamW on the shards, the zeroing): the trace keeps their
-        # shape propagation out of its count (predict/peak.py, dtensor_shapes_untraced).
+        # DTensor ops run here (fp16's unscale, the clip's norms and its scaling of the gradients, the
+        # zeroing): the trace keeps their shape propagation out of its count (predict/peak.py,
+        # dtensor_shapes_untraced). AdamW on the local tensors, which take their gradients' local tensors
+        # for its step and drop them after, before the zeroing frees the gradients in AdamW's order.
+        adamw = self.local_adamw()
+        for shard, local in zip(self.shards, adamw.param_groups[0]["params"]):
+            local.grad = None if shard.grad is None else shard.grad._local_tensor
+
+        def step_locals():
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
         return scaled_step_without_reading_values(self.scaler, self.optimizer, self.module,
-                                                  self.settings.gradient_clipping)
+                                                  self.settings.gradient_clipping, step=step_locals)
 
 
 @contextlib.contextmanager
