@@ -7,7 +7,7 @@ import pytest
 
 from zerolens.models.hf import model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig, gpt
-from zerolens.predict import depths, peak
+from zerolens.predict import depths
 from zerolens.predict.peak import rank_outcome, traced_rank
 from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings, registry
@@ -168,8 +168,7 @@ def test_a_model_whose_blocks_do_not_repeat_alike_is_not_scaled():
     assert record is None and why
 
 
-def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
-    monkeypatch.setattr(peak, "SECOND_STEP_FOLLOWS", {})  # no verdict from other tests' traces
+def test_depth_scaling_traces_whole_what_it_does_not_scale():
     asked = []
 
     def inner(name, model_config, settings, **options):
@@ -183,17 +182,8 @@ def test_depth_scaling_traces_whole_what_it_does_not_scale(monkeypatch):
     assert scaling("ddp", dataclasses.replace(deep, num_layers=depths.SCALED_FROM - 1), settings,
                    cuda_capability=H200)[0] == {"traced": True}
     assert scaling("ddp", deep, settings, cuda_capability=None)[0] == {"traced": True}  # a CPU target
-    # The deep one after a shallow trace of its own, which tells whether its second step can be written
-    # from its first (predict/repeat.py); not a shallower model, nor a CPU target
-    assert asked == [(depths.TRACED_DEPTHS[0], True), (depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False),
-                     (depths.SCALED_FROM, False)]
-    # Where a full trace in this process told already (at any depth and micro-batch), no shallow trace first
-    peak.SECOND_STEP_FOLLOWS[peak.second_step_key("zero2", deep, settings, rank=0, seed=0, cuda_capability=H200,
-                                                  trace_on=None, brackets=True)] = None
-    asked.clear()
-    scaling("zero2", dataclasses.replace(deep, num_layers=depths.SCALED_FROM + 5), settings, cuda_capability=H200,
-            brackets=True)
-    assert asked == [(depths.SCALED_FROM + 5, True)]
+    # Each traced whole at its own depth (the shallow trace that gives a deep one's verdicts is traced_rank's)
+    assert asked == [(depths.SCALED_FROM, True), (depths.SCALED_FROM - 1, False), (depths.SCALED_FROM, False)]
 
 
 def recording_inner(calls: list):
@@ -204,13 +194,12 @@ def recording_inner(calls: list):
     return inner
 
 
-def test_a_strategy_seen_never_to_repeat_per_block_is_traced_whole_at_once(monkeypatch):
-    monkeypatch.setattr(peak, "SECOND_STEP_FOLLOWS", {})
+def test_a_strategy_seen_never_to_repeat_per_block_is_traced_whole_at_once():
     settings = TrainSettings(precision="bf16", micro_batch=1, world_size=8)
     deep = llama_tiny(depths.SCALED_FROM)
     calls = []
     out, _ = depths.DepthScaling(recording_inner(calls))("zero0", deep, settings, cuda_capability=H200)
-    assert calls == [depths.TRACED_DEPTHS[0], depths.SCALED_FROM]  # the shallow one: for its second step's sake
+    assert calls == [depths.SCALED_FROM]
     assert out["why_not_depth_scaled"] == registry.spec("zero0").not_depth_scaled
     calls.clear()  # FSDP2 is tried: five shallow traces, here refused (no sequence), then the whole
     out, _ = depths.DepthScaling(recording_inner(calls))("fsdp2", deep, settings, cuda_capability=H200)
@@ -267,14 +256,13 @@ def test_zero3_windows_part_alike_per_block_within_two_blocks_or_past_the_whole_
                                                                             ds_override=live))
 
 
-def test_a_strategy_whose_groups_across_blocks_move_with_depth_is_traced_whole_at_once(monkeypatch):
-    monkeypatch.setattr(peak, "SECOND_STEP_FOLLOWS", {})
+def test_a_strategy_whose_groups_across_blocks_move_with_depth_is_traced_whole_at_once():
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
     # Width 128: 25 blocks' fp32 gradients to one of DDP's 25 MiB buckets
     narrow = dataclasses.replace(PRESETS["gpt-tiny"], d_model=128, ffn_dim=512, num_layers=40)
     calls = []
     out, _ = depths.DepthScaling(recording_inner(calls))("ddp", narrow, settings, cuda_capability=H200)
-    assert calls == [depths.TRACED_DEPTHS[0], 40]
+    assert calls == [40]
     assert out["why_not_depth_scaled"] == registry.spec("ddp").parted_across_blocks(depths.blocks_of(narrow, settings))
     assert "DDP's gradient buckets" in out["why_not_depth_scaled"]
 

@@ -47,7 +47,7 @@ import math
 
 from zerolens.models.model import ModelConfig, model_built
 from zerolens.predict.micro_batches import figures, in_order, on_line, with_sequence
-from zerolens.predict.peak import rank_outcome, second_step_known, traced_rank
+from zerolens.predict.peak import rank_outcome, traced_rank
 from zerolens.predict.without_gpu import cuda_bytes
 from zerolens.strategies import TrainSettings, registry
 from zerolens.strategies.base import Blocks
@@ -103,13 +103,6 @@ class DepthScaling:
                 if record is not None:
                     outcome = rank_outcome(record, options.get("try_cap"))
                     return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
-        if cuda_capability is not None and depth is not None and depth >= SCALED_FROM and not second_step_known(
-                name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets, **options):
-            # Traced whole, after a shallow trace of its own (where no trace in this process has told yet):
-            # where that one's second step is its first written again, the deep trace's is written so, not
-            # traced (predict/repeat.py, second_step)
-            self.shallow_record(name, dataclasses.replace(model_config, num_layers=TRACED_DEPTHS[0]), settings,
-                                cuda_capability=cuda_capability, brackets=brackets, **options)
         out, record = self.inner(name, model_config, settings, cuda_capability=cuda_capability, brackets=brackets,
                                  **options)
         return (out | {"why_not_depth_scaled": why} if why else out), record

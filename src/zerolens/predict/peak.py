@@ -332,9 +332,17 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
     trace of this strategy, model, settings and rank at another depth or micro-batch in this process
     showed that second step to be its first written again (SECOND_STEP_FOLLOWS), under the rule for the
     set-up's storages the first step frees that the full trace showed (repeat.second_step's
-    `setup_freed`; CARRIED where none did)."""
+    `setup_freed`; CARRIED where none did). Where none has, a model of SHALLOW_FIRST_FROM blocks or more
+    is first traced in full SHALLOW_DEPTH blocks deep (shallow_model), which tells."""
     follows_key = second_step_key(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
                                   trace_on=trace_on, brackets=brackets)
+    shallow = shallow_model(model_config)
+    if second_from_first is None and repeat and cuda_capability is not None and steps >= STEPS \
+            and shallow is not None and follows_key not in SECOND_STEP_FOLLOWS:
+        # No trace in this process has told yet how this one's later steps follow its earlier ones: a full
+        # trace of the same model SHALLOW_DEPTH blocks deep tells it, for less than the steps it spares here
+        traced_rank(name, shallow, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
+                    trace_on=trace_on, brackets=brackets, outcome=False)
     setup_freed = SECOND_STEP_FOLLOWS.get(follows_key)  # the rule a full trace showed, or None
     if second_from_first is None:
         second_from_first = setup_freed is not None
@@ -480,19 +488,27 @@ SECOND_STEP_FOLLOWS: dict[str, str | None] = {}
 THIRD_STEP_ONCE: dict[str, bool] = {}
 
 
+# A CUDA target's trace of a model at least SHALLOW_FIRST_FROM blocks deep, where no full trace in the process
+# has given its verdicts (SECOND_STEP_FOLLOWS, THIRD_STEP_ONCE), first makes one of the same model
+# SHALLOW_DEPTH blocks deep, whose verdicts hold at any depth: three steps of two blocks cost less than the
+# steps of six blocks or more that they spare.
+SHALLOW_DEPTH = 2
+SHALLOW_FIRST_FROM = 3 * SHALLOW_DEPTH
+
+
+def shallow_model(model_config: ModelConfig) -> ModelConfig | None:
+    """The model SHALLOW_DEPTH blocks deep whose full trace gives a deeper one's verdicts, or None: where it is
+    shallower than SHALLOW_FIRST_FROM, or a user's own model (zerolens cannot build it at another depth). A
+    Hugging Face model's kinds of layers are cut with it (hf.at_depth)."""
+    if model_config.kind == "user" or model_config.num_layers < SHALLOW_FIRST_FROM:
+        return None
+    return dataclasses.replace(model_config, num_layers=SHALLOW_DEPTH)
+
+
 def second_step_key(name: str, model_config: ModelConfig, settings: TrainSettings, **trace) -> str:
     """What a SECOND_STEP_FOLLOWS verdict holds for (repr: a Hugging Face model's configuration holds dicts)."""
     return repr((name, dataclasses.replace(model_config, num_layers=0), dataclasses.replace(settings, micro_batch=0),
                  sorted(trace.items())))
-
-
-def second_step_known(name: str, model_config: ModelConfig, settings: TrainSettings, *, rank: int = 0, seed: int = 0,
-                      cuda_capability: tuple[int, int] | None = None, trace_on: str | None = None,
-                      brackets: bool = False, **_) -> bool:
-    """Whether a full trace in this process gave SECOND_STEP_FOLLOWS its verdict for a trace with these
-    arguments (traced_rank's), whichever it was."""
-    return second_step_key(name, model_config, settings, rank=rank, seed=seed, cuda_capability=cuda_capability,
-                           trace_on=trace_on, brackets=brackets) in SECOND_STEP_FOLLOWS
 
 
 def numbered_in_order(requests: list, raw: dict, inside: dict) -> None:
