@@ -262,39 +262,6 @@ def test_a_full_trace_tells_later_traces_at_other_depths_and_micro_batches_to_wr
     assert not other_rank["second_step_written"]  # no full trace of that rank yet
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "ddp"])
-def test_a_deep_models_first_trace_takes_its_verdicts_from_a_shallow_trace_of_its_own(name):
-    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
-    deep = dataclasses.replace(PRESETS["gpt-tiny"], num_layers=peak.SHALLOW_FIRST_FROM)
-    key = peak.second_step_key(name, deep, settings, rank=0, seed=0, cuda_capability=H200, trace_on=None,
-                               brackets=False)
-    first = traced_rank(name, deep, settings, cuda_capability=H200, outcome=False)[1]
-    # The verdicts of a full trace two blocks deep: FSDP2's second step is its first written again, DDP's
-    # third its second without the bucket rebuild
-    assert key in peak.SECOND_STEP_FOLLOWS and first["repeated_steps"] == 1
-    assert first["second_step_written"] == (name == "fsdp2")
-    assert bool(peak.THIRD_STEP_ONCE.get(key)) == (name == "ddp")
-    whole = traced_rank(name, deep, settings, cuda_capability=H200, outcome=False, second_from_first=False,
-                        repeat=False)[1]
-    assert alike(first["requests"], whole["requests"])
-    assert first["phase_peaks"] == whole["phase_peaks"] and first["held"] == whole["held"]
-    assert rank_outcome(first) == rank_outcome(whole)
-
-
-def test_a_model_below_the_depth_worth_a_shallow_trace_or_a_users_own_is_traced_whole():
-    settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
-    shallow = dataclasses.replace(PRESETS["gpt-tiny"], num_layers=peak.SHALLOW_FIRST_FROM - 1)
-    assert peak.shallow_model(shallow) is None
-    assert not traced_rank("fsdp2", shallow, settings, cuda_capability=H200, outcome=False)[1]["second_step_written"]
-    assert peak.shallow_model(dataclasses.replace(shallow, kind="user", factory="m:f", batch="m:b",
-                                                  num_layers=peak.SHALLOW_FIRST_FROM)) is None
-    # Nor where fewer than three steps are traced (a bench of one step): no verdict could come of them
-    peak.SECOND_STEP_FOLLOWS.clear()
-    deep = dataclasses.replace(PRESETS["gpt-tiny"], num_layers=peak.SHALLOW_FIRST_FROM)
-    traced_rank("fsdp2", deep, settings, cuda_capability=H200, outcome=False, steps=2)
-    assert not peak.SECOND_STEP_FOLLOWS
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PREDICTED)
 @pytest.mark.parametrize("case", ["gpt-tiny-3-ranks-ckpt-fp16", "llama-tiny-accum-2", "mixtral-tiny"])
