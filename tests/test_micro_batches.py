@@ -99,5 +99,6 @@ def test_plan_says_which_rows_were_scaled_and_they_equal_the_trace():
     assert {(16, False), (16, True)} <= {key for key, r in rows.items() if "scaled_from" in r}
     assert not any("scaled_from" in rows[(micro_batch, False)] for micro_batch in (1, 2, 4))
     row = rows[(16, False)]
-    traced = plan.predicted_peak(plan.Candidate("zero2", 16, False, 200_000).config(config), (9, 0))
+    traced = plan.predicted_peak(plan.Candidate("zero2", 16, False, 200_000).config(config), (9, 0),
+                                 memory=80 * 1024 ** 3)
     assert {k: row[k] for k in traced} == traced

@@ -150,8 +150,8 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
     """The deepest model of the config's width whose predicted need fits `memory`, for its one
     strategy (deepest_fitting, from the config's own depth; `traced`: every depth predicted and its need;
     `depth_scaled_from`: the depths whose trace was scaled from shallower ones (predict/depths.py), and from which).
-    `predict(config, cuda_capability, memory)`: how each trial is predicted (predicted_peak, or plan's
-    depth_trial); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
+    `predict(config, cuda_capability, memory)`: where each trial is predicted (predicted_peak, or a pool's
+    worker); `known(depth)`: a depth's prediction made already (plan's grid has the config's own depth),
     else None; `progress(line)` hears of each trial. A depth whose need is within the memory but whose
     allocations run out of memory under the memory itself (predicted_peak's `runs_in_memory`) does not
     fit: the search takes its need as one byte more than the memory."""
@@ -303,28 +303,21 @@ def plan(config: RunConfig, *, memory: int, micro_batches: list[int], reduce_buc
 
 def deepest_of(config: RunConfig, name: str, memory: int, cuda_capability: tuple[int, int], executor, walks: dict,
                progress) -> dict:
-    """Strategy `name`'s deepest model (largest_depth), searched in one job of `executor` (depth_search),
-    once the grid's walk of the config's own checkpointing and bucket (`walks`) has its prediction at the
-    config's own depth and micro-batch, which is not traced again. In a thread of its own."""
+    """Strategy `name`'s deepest model (largest_depth), each trial predicted in `executor`; the config's own
+    depth taken from the grid's walk of the config's own checkpointing and bucket (`walks`), where it
+    reached the config's micro-batch, not traced again. In a thread of its own: it asks for one trial at
+    a time, and the trials share the pool with the grid, each told as it ends."""
     element = (name, config.model.activation_checkpointing,
                config.reduce_bucket_size if registry.spec(name).reduce_bucket else None)
-    own = dict(walks[element].result()[element]).get(config.micro_batch) if element in walks else None
-    searched, lines = executor.submit(depth_search, dataclasses.replace(config, strategies=(name,), baseline=name),
-                                      memory, cuda_capability, own).result()
-    for line in lines if progress else ():
-        progress(f"depth search, {line}")
-    return searched
 
-
-def depth_search(config: RunConfig, memory: int, cuda_capability: tuple[int, int], own: dict | None):
-    """largest_depth of a one-strategy config, every trial in this process, so that they share what the
-    process keeps of earlier traces (the shallow traces a DepthScaling scales from, torch's caches of
-    operations met before); `own`: the config's own depth's prediction, where made. With the lines it told."""
-    lines: list[str] = []
-    searched = largest_depth(config, memory, cuda_capability, predict=depth_trial,
-                             known=lambda depth: own if depth == config.model.num_layers else None,
-                             progress=lines.append)
-    return searched, lines
+    def known(depth: int) -> dict | None:
+        if depth != config.model.num_layers or element not in walks:
+            return None
+        return dict(walks[element].result()[element]).get(config.micro_batch)
+    return largest_depth(dataclasses.replace(config, strategies=(name,), baseline=name), memory, cuda_capability,
+                         predict=lambda c, cap, memory: executor.submit(depth_trial, c, cap, memory).result(),
+                         known=known,
+                         progress=progress and (lambda line: progress(f"depth search, {line}")))
 
 
 @functools.cache
