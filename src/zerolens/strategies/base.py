@@ -103,6 +103,13 @@ def scaled_step(scaler, optimizer: torch.optim.Optimizer, module: nn.Module, cli
     return scale_before is None or scaler.get_scale() >= scale_before
 
 
+def share_of_step(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """A micro-batch's loss as its share of the step's, whose gradient is the mean over its micro-batches (as
+    DeepSpeed's under gradient_accumulation_steps); of one micro-batch, the loss itself, with no division
+    that a plain loop would not make."""
+    return loss / micro_batches if micro_batches > 1 else loss
+
+
 def scaled_step_without_reading_values(scaler, optimizer: torch.optim.Optimizer, module: nn.Module,
                                        clipping: float, step=None) -> bool:
     """scaled_step's work for the peak prediction's step models, whose fake tensors have no values:
@@ -201,9 +208,7 @@ class ScaledStrategy(Strategy):
     `optimizer`, `module` and `settings` in setup."""
 
     def backward(self, loss):
-        if self.settings.grad_accum > 1:  # the step's gradient is the mean over its micro-batches, as DeepSpeed's
-            loss = loss / self.settings.grad_accum
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(share_of_step(loss, self.settings.grad_accum)).backward()
 
     def step(self):
         return scaled_step(self.scaler, self.optimizer, self.module, self.settings.gradient_clipping)

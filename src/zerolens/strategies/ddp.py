@@ -15,6 +15,7 @@ from zerolens.strategies.base import (
     on_device,
     optimizer_step,
     scaled_step_without_reading_values,
+    share_of_step,
 )
 
 
@@ -146,7 +147,7 @@ class TorchDDP(ScaledStrategy):
                         logits = ddp(tokens.to(device))
                     loss = self.loss(logits, labels.to(device))
                     losses.append(loss.detach())
-                    scaler.scale(loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
+                    scaler.scale(share_of_step(loss, len(micro_batches))).backward()
             optimizer_step(scaler, optimizer, model, s.gradient_clipping)
             return losses
 
