@@ -57,7 +57,9 @@ def test_a_run_inserted_across_two_runs_grows_both():
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_scaled_equals_traced_request_for_request(name):
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
-    record, why = depths.deepened(shallow_records(name, llama_tiny(2), settings), 9)
+    shallow = depths.ShallowTraces(shallow_records(name, llama_tiny(2), settings))
+    assert shallow.deepened(8)[1] is None  # another depth first: what the traces say is found once for both
+    record, why = shallow.deepened(9)
     assert why is None
     traced = traced_rank(name, llama_tiny(9), settings, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
@@ -80,7 +82,7 @@ def test_a_rank_holding_no_rows_of_the_embedding_is_scaled_from_alignments_found
                for d in depths.TRACED_DEPTHS}
     seq = {d: depths.tokens(records[d]["requests"], records[d]["raw"]) for d in (2, 3, 4)}
     assert depths.structure(seq[2], seq[3], seq[4], depths.inserted_runs)[0] is None
-    record, why = depths.deepened(records, 9)
+    record, why = depths.ShallowTraces(records).deepened(9)
     assert why is None
     traced = traced_rank("fsdp2", model(9), settings, rank=15, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
@@ -149,7 +151,7 @@ def test_blocks_whose_runs_difflib_places_differently_are_scaled_from_runs_moved
     seq = {d: depths.tokens(records[d]["requests"], records[d]["raw"]) for d in (2, 3, 4)}
     assert all(depths.structure(seq[2], seq[3], seq[4], align)[0] is None
                for align in (depths.inserted_runs, depths.inserted_runs_from_the_end))
-    record, why = depths.deepened(records, 9)
+    record, why = depths.ShallowTraces(records).deepened(9)
     assert why is None
     traced = traced_rank(name, dataclasses.replace(model, num_layers=9), settings, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
@@ -157,14 +159,14 @@ def test_blocks_whose_runs_difflib_places_differently_are_scaled_from_runs_moved
     assert rank_outcome(record) == rank_outcome(traced)
     # Without the alignment that moves runs so, not scaled
     monkeypatch.setattr(depths, "ALIGNMENTS", tuple(a for a in depths.ALIGNMENTS if a.__name__ != moved))
-    assert depths.deepened(records, 9)[0] is None
+    assert depths.ShallowTraces(records).deepened(9)[0] is None
 
 
 @pytest.mark.slow
 def test_a_model_whose_blocks_do_not_repeat_alike_is_not_scaled():
     # gpt-tiny under DDP: one bucket holds every block's gradients, so one more block changes it
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2)
-    record, why = depths.deepened(shallow_records("ddp", PRESETS["gpt-tiny"], settings), 9)
+    record, why = depths.ShallowTraces(shallow_records("ddp", PRESETS["gpt-tiny"], settings)).deepened(9)
     assert record is None and why
 
 
@@ -278,7 +280,7 @@ def test_zero3_within_two_blocks_is_scaled_equal_to_its_trace():
     settings = TrainSettings(precision="bf16", micro_batch=2, world_size=2, ds_override={"zero_optimization": limits})
     assert sum(elements for elements, _ in depths.blocks_of(llama_tiny(9), settings).block) == 181_504
     assert registry.spec("zero3").parted_across_blocks(depths.blocks_of(llama_tiny(30), settings)) is None
-    record, why = depths.deepened(shallow_records("zero3", llama_tiny(2), settings), 9)
+    record, why = depths.ShallowTraces(shallow_records("zero3", llama_tiny(2), settings)).deepened(9)
     assert why is None
     traced = traced_rank("zero3", llama_tiny(9), settings, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))
@@ -298,7 +300,7 @@ def test_zero3_with_windows_past_the_whole_model_is_scaled_equal_to_its_trace():
     assert sum(elements for elements, _ in blocks.block if elements > 1_000) > 100_000  # gathered, not persistent
     assert 3 * sum(elements for elements, _ in blocks.params) < 50_000_000
     assert registry.spec("zero3").parted_across_blocks(blocks) is None
-    record, why = depths.deepened(shallow_records("zero3", llama_tiny(2), settings), 9)
+    record, why = depths.ShallowTraces(shallow_records("zero3", llama_tiny(2), settings)).deepened(9)
     assert why is None
     traced = traced_rank("zero3", llama_tiny(9), settings, cuda_capability=H200)[1]
     assert record["requests"] == depths.decode(depths.tokens(traced["requests"], traced["raw"]))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
+import functools
 import math
 
 from zerolens.models.model import ModelConfig, model_built
@@ -75,15 +76,18 @@ class DepthScaling:
 
     def __init__(self, inner=None):
         self.inner = inner or traced_rank
-        self.shallow: dict[str, dict] = {}  # a shallow trace's arguments -> its record (plan asks many depths)
+        self.shallow: dict[str, ShallowTraces] = {}  # the shallow traces' arguments -> them (plan asks many depths)
 
-    def shallow_record(self, name: str, model_config: ModelConfig, settings: TrainSettings, **options) -> dict:
-        """The record of a shallow trace, traced once (the first at each depth tells later traces of the
-        strategy whether their second step can be written from their first: peak.SECOND_STEP_FOLLOWS)."""
-        key = repr((name, model_config, settings, sorted(options.items())))  # repr: an HF config holds dicts
+    def shallow_traces(self, name: str, model_config: ModelConfig, settings: TrainSettings,
+                       **options) -> ShallowTraces:
+        """The model's traces at TRACED_DEPTHS, traced once (the first at each depth tells later traces of
+        the strategy whether their second step can be written from their first: peak.SECOND_STEP_FOLLOWS)."""
+        at = {d: dataclasses.replace(model_config, num_layers=d) for d in TRACED_DEPTHS}
+        key = repr((name, list(at.values()), settings, sorted(options.items())))  # repr: an HF config holds dicts
         if key not in self.shallow:
-            # Its own figures are not needed: the allocator model replays the deep sequence only
-            self.shallow[key] = self.inner(name, model_config, settings, outcome=False, **options)[1]
+            # Their own figures are not needed: the allocator model replays the deep sequence only
+            self.shallow[key] = ShallowTraces({d: self.inner(name, config, settings, outcome=False, **options)[1]
+                                               for d, config in at.items()})
         return self.shallow[key]
 
     def __call__(self, name: str, model_config: ModelConfig, settings: TrainSettings, *,
@@ -96,10 +100,8 @@ class DepthScaling:
             spec = registry.spec(name)
             why = spec.not_depth_scaled or spec.parted_across_blocks(blocks_of(model_config, settings))
             if why is None:
-                records = {d: self.shallow_record(name, dataclasses.replace(model_config, num_layers=d), settings,
-                                                  cuda_capability=cuda_capability, brackets=brackets, **options)
-                           for d in TRACED_DEPTHS}
-                record, why = deepened(records, depth)
+                record, why = self.shallow_traces(name, model_config, settings, cuda_capability=cuda_capability,
+                                                  brackets=brackets, **options).deepened(depth)
                 if record is not None:
                     outcome = rank_outcome(record, options.get("try_cap"))
                     return outcome | {"depth_scaled_from": list(TRACED_DEPTHS)}, record
@@ -399,33 +401,65 @@ def extended_by_counts(shape: Structure, more: int, lines: dict) -> list[tuple] 
             for (token, _), (action, ident, size, stream) in zip(laid, requests)]
 
 
-def deepened(records: dict[int, dict], depth: int) -> tuple[dict | None, str | None]:
-    """The record of a trace at `depth` from records at the five TRACED_DEPTHS, or None and why not."""
-    if any(record.get("requests") is None or record.get("brackets") for record in records.values()):
-        return None, "the traces record no allocation sequence"
-    a, b, c, d, e = sorted(records)
-    seq = {n: tokens(records[n]["requests"], records[n]["raw"]) for n in (a, b, c, d, e)}
-    whys = []
-    for align in ALIGNMENTS:  # difflib's alignment found from the start, else from the end
-        shape, why = structure(seq[a], seq[b], seq[c], align)
-        lines = None if shape is None else fit_counts(shape, seq[c], seq[d])
-        if shape is not None and lines is not None and extended_by_counts(shape, e - b, lines) == decode(seq[e]):
-            if same_grouping(shape, seq[c], seq[d], depth - b):
+class ShallowTraces:
+    """The records of a model's traces at the five TRACED_DEPTHS, and what they say of any depth (deepened):
+    how one more block changes the sequence and each free's count, found once for every depth asked (plan's
+    depth search asks several; the alignments' difflib took about a second of each on gpt-1b's traces)."""
+
+    def __init__(self, records: dict[int, dict]):
+        self.records = records
+        self.depths = sorted(records)
+        self.fitted: dict[int, tuple[Structure, dict] | str] = {}  # an ALIGNMENTS index -> what it gives
+
+    @functools.cached_property
+    def tokens(self) -> dict[int, list[tuple]]:
+        return {n: tokens(self.records[n]["requests"], self.records[n]["raw"]) for n in self.depths}
+
+    @functools.cached_property
+    def counted(self) -> dict[int, dict]:
+        """What the tracker counted beside the sequence in the three deepest traces (micro_batches.figures)."""
+        return {n: figures(self.records[n]) for n in self.depths[2:]}
+
+    def alignment(self, k: int) -> tuple[Structure, dict] | str:
+        """ALIGNMENTS[k]'s structure and fitted counts where the deepest trace confirms them, else why not."""
+        if k not in self.fitted:
+            a, b, c, d, e = self.depths
+            seq = self.tokens
+            shape, why = structure(seq[a], seq[b], seq[c], ALIGNMENTS[k])
+            lines = None if shape is None else fit_counts(shape, seq[c], seq[d])
+            if shape is not None and lines is not None and extended_by_counts(shape, e - b, lines) == decode(seq[e]):
+                self.fitted[k] = shape, lines
+            else:
+                self.fitted[k] = why or f"the trace at depth {e} is not what those at {a} to {d} make of it"
+        return self.fitted[k]
+
+    def deepened(self, depth: int) -> tuple[dict | None, str | None]:
+        """The record of a trace at `depth`, or None and why not."""
+        if any(record.get("requests") is None or record.get("brackets") for record in self.records.values()):
+            return None, "the traces record no allocation sequence"
+        _, b, c, d, e = self.depths
+        whys = []
+        for k in range(len(ALIGNMENTS)):  # difflib's alignment found from the start, else from the end
+            found = self.alignment(k)
+            if isinstance(found, str):
+                whys.append(found)
+                continue
+            shape, lines = found
+            if same_grouping(shape, self.tokens[c], self.tokens[d], depth - b):
                 break
-            why = "two sizes the traces hold apart meet at the model's depth (or sizes they hold together part)"
-        whys.append(why or f"the trace at depth {e} is not what those at {a} to {d} make of it")
-    else:
-        return None, whys[0]
-    counted = {n: figures(records[n]) for n in (c, d, e)}
-    for figure in ("beside", "held_beside", "batch_bytes"):
-        if on_line(counted[c][figure], counted[d][figure], c, d, e) != counted[e][figure]:
-            return None, f"the tracker's {figure.replace('_', ' ')} are not on a line in the depth"
-    requests = extended_by_counts(shape, depth - b, lines)
-    if requests is None:
-        return None, "a free's count names no live allocation at the model's depth"
-    raw = {request[1]: token[3] for (token, _), request in zip(laid_out(shape, depth - b), requests)
-           if token[0] in ALLOCS and token[3] is not None}
-    beside = on_line(counted[c], counted[d], c, d, depth)
-    if beside is None or any(size < 0 for _, _, size, _ in requests if isinstance(size, int)):
-        return None, "a size on the line in the depth is negative"
-    return with_sequence(records[e], requests, raw, {}, beside) | {"depth_scaled_from": sorted(records)}, None
+            whys.append("two sizes the traces hold apart meet at the model's depth (or sizes they hold together part)")
+        else:
+            return None, whys[0]
+        counted = self.counted
+        for figure in ("beside", "held_beside", "batch_bytes"):
+            if on_line(counted[c][figure], counted[d][figure], c, d, e) != counted[e][figure]:
+                return None, f"the tracker's {figure.replace('_', ' ')} are not on a line in the depth"
+        requests = extended_by_counts(shape, depth - b, lines)
+        if requests is None:
+            return None, "a free's count names no live allocation at the model's depth"
+        raw = {request[1]: token[3] for (token, _), request in zip(laid_out(shape, depth - b), requests)
+               if token[0] in ALLOCS and token[3] is not None}
+        beside = on_line(counted[c], counted[d], c, d, depth)
+        if beside is None or any(size < 0 for _, _, size, _ in requests if isinstance(size, int)):
+            return None, "a size on the line in the depth is negative"
+        return with_sequence(self.records[e], requests, raw, {}, beside) | {"depth_scaled_from": self.depths}, None
