@@ -39,10 +39,11 @@ def test_views_at_other_offsets_of_one_buffer_share_the_cache_only_inside():
             assert all(o.shape == (8, 64) and o.storage_offset() == 0 for o in outs)
             return FakeTensorMode.cache_misses - before
 
+    own = FakeTensorMode._cache_key, fake_cache.fake_tensor.extract_tensor_metadata
     with fake_cache.cache_blind_to_storage_offsets():
         blind = misses_of_two_products()
+    assert (FakeTensorMode._cache_key, fake_cache.fake_tensor.extract_tensor_metadata) == own  # restored
     assert misses_of_two_products() > blind  # torch's own key: the second view's product is new to it
-    assert torch._subclasses.fake_tensor.FakeTensorMode._cache_key is fake_cache.fake_tensor.FakeTensorMode._cache_key
 
 
 def frees_in_runs_sorted(requests: list) -> list:
