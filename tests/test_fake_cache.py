@@ -66,12 +66,13 @@ def llama_tiny() -> ModelConfig:
 
 @pytest.mark.parametrize("name, model, settings, capability, brackets", [
     ("zero1", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=4), H200, True),
-    ("zero2", dataclasses.replace(PRESETS["gpt-tiny"], activation_checkpointing=True),
-     TrainSettings(precision="fp16", micro_batch=2, world_size=2), H200, False),
-    ("zero2", llama_tiny(), TrainSettings(precision="bf16", micro_batch=2, world_size=2, grad_accum=2), H200, True),
-    ("zero3", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=2), H200, False),
-    ("fsdp2", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=2), H200, False),
-    ("ddp", PRESETS["gpt-tiny"], TrainSettings(precision="fp32", micro_batch=2, world_size=2), None, False),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [  # ~10 s more: the slow tier
+        ("zero2", dataclasses.replace(PRESETS["gpt-tiny"], activation_checkpointing=True),
+         TrainSettings(precision="fp16", micro_batch=2, world_size=2), H200, False),
+        ("zero2", llama_tiny(), TrainSettings(precision="bf16", micro_batch=2, world_size=2, grad_accum=2), H200, True),
+        ("zero3", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=2), H200, False),
+        ("fsdp2", PRESETS["gpt-tiny"], TrainSettings(precision="bf16", micro_batch=2, world_size=2), H200, False),
+        ("ddp", PRESETS["gpt-tiny"], TrainSettings(precision="fp32", micro_batch=2, world_size=2), None, False)]),
 ])
 def test_a_trace_is_the_one_torchs_own_keys_give(monkeypatch, name, model, settings, capability, brackets):
     def trace():

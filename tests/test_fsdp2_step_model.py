@@ -48,6 +48,7 @@ def traced(strategy: str, model: ModelConfig, settings: TrainSettings, rank: int
                        repeat=False)[1]
 
 
+@pytest.mark.slow  # eight traces twice, ~25 s: the CPU target's test below stays in the quick tier
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2-grad"])
 @pytest.mark.parametrize("name", ["gpt-tiny-3-ranks-padded-ckpt-fp16", "gpt-tiny-fp32-fused-unclipped",
                                   "llama-tiny-accum-2", "mixtral-tiny"])
