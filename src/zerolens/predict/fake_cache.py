@@ -38,7 +38,7 @@ def fresh_outputs(func) -> bool:
 
 
 def supported() -> bool:
-    """Whether this torch's fake tensor cache has the shape read here (torch 2.13's has it: test_fake_cache)."""
+    """Whether this torch's fake tensor cache has the shape read here (torch 2.13's and 2.11's have it)."""
     metadata = getattr(fake_tensor, "TensorMetadata", None)
     key = getattr(fake_tensor.FakeTensorMode, "_cache_key", None)
     return (callable(getattr(fake_tensor, "extract_tensor_metadata", None)) and metadata is not None
