@@ -412,7 +412,8 @@ class ShallowTraces:
         self.fitted: dict[int, tuple[Structure, dict] | str] = {}  # an ALIGNMENTS index -> what it gives
 
     @functools.cached_property
-    def tokens(self) -> dict[int, list[tuple]]:
+    def sequences(self) -> dict[int, list[tuple]]:
+        """Each depth's sequence as tokens (tokens())."""
         return {n: tokens(self.records[n]["requests"], self.records[n]["raw"]) for n in self.depths}
 
     @functools.cached_property
@@ -424,7 +425,7 @@ class ShallowTraces:
         """ALIGNMENTS[k]'s structure and fitted counts where the deepest trace confirms them, else why not."""
         if k not in self.fitted:
             a, b, c, d, e = self.depths
-            seq = self.tokens
+            seq = self.sequences
             shape, why = structure(seq[a], seq[b], seq[c], ALIGNMENTS[k])
             lines = None if shape is None else fit_counts(shape, seq[c], seq[d])
             if shape is not None and lines is not None and extended_by_counts(shape, e - b, lines) == decode(seq[e]):
@@ -445,7 +446,7 @@ class ShallowTraces:
                 whys.append(found)
                 continue
             shape, lines = found
-            if same_grouping(shape, self.tokens[c], self.tokens[d], depth - b):
+            if same_grouping(shape, self.sequences[c], self.sequences[d], depth - b):
                 break
             whys.append("two sizes the traces hold apart meet at the model's depth (or sizes they hold together part)")
         else:

@@ -37,6 +37,7 @@ def fresh_outputs(func) -> bool:
         and all(value.alias_info is None for value in schema.returns)
 
 
+@functools.cache  # read once a process, not at every trace
 def supported() -> bool:
     """Whether this torch's fake tensor cache has the shape read here (torch 2.13's and 2.11's have it)."""
     metadata = getattr(fake_tensor, "TensorMetadata", None)
