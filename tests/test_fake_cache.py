@@ -1,10 +1,12 @@
-"""FakeTensorMode's cache keyed without storage offsets for operations with fresh outputs (predict/fake_cache.py):
-the same traces as torch's own keys give, and more of the cache's answers on ZeRO's flat buffers."""
+"""FakeTensorMode's cache keyed fast, and without storage offsets for operations with fresh outputs
+(predict/fake_cache.py): the same traces as torch's own keys give, and more of the cache's answers on ZeRO's flat
+buffers."""
 import contextlib
 import dataclasses
 
 import pytest
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerolens.models.hf import model_config_fields
@@ -39,11 +41,51 @@ def test_views_at_other_offsets_of_one_buffer_share_the_cache_only_inside():
             assert all(o.shape == (8, 64) and o.storage_offset() == 0 for o in outs)
             return FakeTensorMode.cache_misses - before
 
-    own = FakeTensorMode._cache_key, fake_cache.fake_tensor.extract_tensor_metadata
-    with fake_cache.cache_blind_to_storage_offsets():
+    own = FakeTensorMode._cache_key
+    with fake_cache.trace_cache_keys():
         blind = misses_of_two_products()
-    assert (FakeTensorMode._cache_key, fake_cache.fake_tensor.extract_tensor_metadata) == own  # restored
+    assert FakeTensorMode._cache_key == own  # restored
     assert misses_of_two_products() > blind  # torch's own key: the second view's product is new to it
+
+
+def keys_alike(calls: list) -> list[list[bool]]:
+    """For each pair of (func, args) calls, whether their cache keys are equal, made under the current keys."""
+    with FakeTensorMode() as mode:
+        state = fake_tensor._CacheKeyState(mode.shape_env)
+        keys = [mode._cache_key(state, func, make(mode), {}) for func, make in calls]
+    return [[a == b for b in keys] for a in keys]
+
+
+def test_keys_tell_apart_what_torchs_tell_apart():
+    aten = torch.ops.aten
+
+    def tensor(*shape, dtype=torch.float32, grad=False):
+        return lambda mode: mode.from_tensor(torch.empty(*shape, dtype=dtype, requires_grad=grad))
+
+    def offset_view(mode):  # a view at an offset of its buffer: for a fresh output, keyed as the tensor itself
+        return mode.from_tensor(torch.empty(2 * 64 * 8))[64 * 8:].view(8, 64)
+    calls = [
+        (aten.mm.default, lambda m: (tensor(8, 64)(m), tensor(64, 64)(m))),
+        (aten.mm.default, lambda m: (tensor(8, 64)(m), tensor(64, 64)(m))),  # alike: the same key
+        (aten.mm.default, lambda m: (tensor(8, 64)(m), tensor(64, 32)(m))),  # another shape
+        (aten.mm.default, lambda m: (tensor(8, 64, dtype=torch.bfloat16)(m), tensor(64, 64, dtype=torch.bfloat16)(m))),
+        (aten.mm.default, lambda m: (tensor(8, 64)(m), tensor(64, 64)(m).t())),  # other strides
+        (aten.mm.default, lambda m: (tensor(8, 64, grad=True)(m), tensor(64, 64)(m))),
+        (aten.mm.default, lambda m: (offset_view(m), tensor(64, 64)(m))),
+        (aten.add.Tensor, lambda m: (tensor(8, 64)(m), tensor(8, 64)(m))),  # another operation
+        (aten.add.Tensor, lambda m: (tensor(8, 64)(m), 2)),  # an int and a float hash alike: kept apart by type
+        (aten.add.Tensor, lambda m: (tensor(8, 64)(m), 2.0)),
+        (aten.view.default, lambda m: (tensor(8, 64)(m), [64, 8])),  # a view keeps its input's offset
+        (aten.view.default, lambda m: (offset_view(m), [64, 8])),
+    ]
+    own = keys_alike(calls)
+    with fake_cache.trace_cache_keys():
+        fast = keys_alike(calls)
+    # torch's own keys hold the offset (its index: 6); ours leave it out for mm's fresh output alone
+    expected = [row[:] for row in own]
+    expected[0][6] = expected[1][6] = expected[6][0] = expected[6][1] = True
+    assert fast == expected
+    assert own[0][1] and not own[10][11] and not fast[10][11]
 
 
 def frees_in_runs_sorted(requests: list) -> list:
@@ -84,5 +126,5 @@ def test_a_trace_is_the_one_torchs_own_keys_give(monkeypatch, name, model, setti
                 record["held"], record["batch_bytes"])
 
     blind = trace()
-    monkeypatch.setattr(peak, "cache_blind_to_storage_offsets", contextlib.nullcontext)
+    monkeypatch.setattr(peak, "trace_cache_keys", contextlib.nullcontext)
     assert trace() == blind

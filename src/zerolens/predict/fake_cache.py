@@ -1,32 +1,48 @@
-"""FakeTensorMode's cache of operations' outputs, made to serve operations on views into one flat buffer.
+"""FakeTensorMode's cache of operations' outputs, keyed in a way a trace can afford and ZeRO's flat
+buffers can use.
 
 torch's fake tensor mode answers an operation it has seen with the same inputs' metadata from a cache
 (FakeTensorMode._cached_dispatch_impl) and computes others through the operation's meta kernel, often
-Python (a layer norm's, a matrix product's). Its cache key holds each input's storage offset and storage
-size. DeepSpeed's ZeRO-1 and ZeRO-2 keep a model's parameters as views into one flat buffer, each at an
-offset of its own: every block's layer norms and matrix products met the cache as new, and a trace of
-gpt-1b 26 blocks deep at 8 ranks spent half its time in meta kernels.
+Python (a layer norm's, a matrix product's). Two things made that cache cost a trace much:
 
-An operation whose outputs are fresh tensors (its schema returns no alias of an input and mutates
-none) makes outputs whose metadata does not depend on where its inputs lie in their storages: their
-shapes, strides and dtypes are in the key all the same. For those operations the key is taken
-without the inputs' storage offsets and sizes (cache_blind_to_storage_offsets); views, in-place and
-out= operations, whose outputs are inputs or lie in their storages, keep them. The outputs are the
-ones torch's own cache would give, and so the trace's allocations: tests/test_fake_cache.py compares
-the traces with and without.
+- Its key holds each input's storage offset and storage size. DeepSpeed's ZeRO-1 and ZeRO-2 keep a
+  model's parameters as views into one flat buffer, each at an offset of its own: every block's layer
+  norms and matrix products met the cache as new, and a trace of gpt-1b 26 blocks deep at 8 ranks spent
+  half its time in meta kernels. An operation whose outputs are fresh tensors (its schema returns no
+  alias of an input and mutates none) makes outputs whose metadata does not depend on where its inputs
+  lie in their storages: their shapes, strides and dtypes are in the key all the same. For those
+  operations the key leaves the offsets and sizes out; views, in-place and out= operations, whose
+  outputs are inputs or lie in their storages, keep them.
+- Its key is made in Python, field by field and each dimension with its type (_prep_args_for_hash,
+  TensorMetadata._flatten_into): a fifth of a trace's time (the key alone 1.87 s of 9.4 s in three DDP
+  traces of gpt-1b at 8 ranks, profiled), the optimizer's operations on lists of every parameter the
+  most. Here a tensor is one tuple of what torch's key holds of it: dtype, shape, strides, device,
+  storage offset and bytes (where kept, above), requires_grad, conj, neg, inference. The rest of
+  torch's metadata follows from those for the strided tensors of a trace (memory format from shape and
+  strides, quantization from the dtype); any other input (a sparse tensor, a symbolic size, another
+  mode's fake tensor, a process group) leaves the operation to torch's own key. These keys hold a
+  marker torch's never do: they cannot meet an entry torch keyed.
+
+Keys equal here are equal in torch's own key but for the offsets of fresh outputs, so the outputs are
+the ones torch's cache would give, and so the trace's allocations: tests/test_fake_cache.py compares the
+traces with and without.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
-import threading
 
 import torch
 from torch._subclasses import fake_tensor
 
-_keying = threading.local()  # set while a key is made for an operation with fresh outputs
+# Arguments kept in a key as their type and value, as torch's key keeps them (1 and 1.0 hash alike)
+PLAIN = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_OWN_KEY = object()  # the first element of every key made here
+
+
+class _TorchsKey(Exception):
+    """An argument these keys do not hold: the operation is keyed by torch."""
 
 
 @functools.cache
@@ -39,40 +55,64 @@ def fresh_outputs(func) -> bool:
 
 @functools.cache  # read once a process, not at every trace
 def supported() -> bool:
-    """Whether this torch's fake tensor cache has the shape read here (torch 2.13's and 2.11's have it)."""
-    metadata = getattr(fake_tensor, "TensorMetadata", None)
+    """Whether this torch's fake tensor cache has the shape read here (torch 2.13's and 2.11's have it): its
+    key made by FakeTensorMode._cache_key(state, func, args, kwargs) as a _DispatchCacheKey of one tuple."""
     key = getattr(fake_tensor.FakeTensorMode, "_cache_key", None)
-    return (callable(getattr(fake_tensor, "extract_tensor_metadata", None)) and metadata is not None
-            and dataclasses.is_dataclass(metadata) and {"storage_offset", "storage_bytes"}
-            <= {field.name for field in dataclasses.fields(metadata)} and key is not None
-            and list(inspect.signature(key).parameters) == ["self", "state", "func", "args", "kwargs"])
+    made = getattr(fake_tensor, "_DispatchCacheKey", None)
+    return (key is not None and made is not None and isinstance(getattr(fake_tensor.FakeTensorMode, "cache", None), dict)
+            and list(inspect.signature(key).parameters) == ["self", "state", "func", "args", "kwargs"]
+            and list(inspect.signature(made).parameters) == ["tup"])
+
+
+def _flattened(mode, out: list, args, fresh: bool) -> None:
+    """`args` (a sequence or a dict) into `out`, as torch's _prep_args_for_hash orders them: a container's
+    type and length, then its items; a tensor as one tuple; a plain value with its type."""
+    out += (type(args), len(args))
+    if isinstance(args, dict):
+        out.append(tuple(args))  # the keys' names, then their values
+        args = args.values()
+    for arg in args:
+        kind = type(arg)
+        if kind is fake_tensor.FakeTensor:
+            if arg.fake_mode is not mode or arg.constant is not None or arg.layout is not torch.strided:
+                raise _TorchsKey
+            out.append((arg.dtype, tuple(arg.shape), arg.stride(), arg.device,
+                        None if fresh else arg.storage_offset(), None if fresh else arg.untyped_storage().nbytes(),
+                        arg.requires_grad, arg.is_conj(), arg.is_neg(), arg.is_inference()))
+        elif isinstance(arg, (list, tuple)):
+            _flattened(mode, out, arg, fresh)
+        elif kind in PLAIN:
+            out += (kind, arg)
+        else:
+            raise _TorchsKey
 
 
 @contextlib.contextmanager
-def cache_blind_to_storage_offsets():
-    """While in it, FakeTensorMode keys an operation with fresh outputs (fresh_outputs) without its inputs'
-    storage offsets and sizes. Restored afterwards, whatever happens; where this torch's cache is not of
-    the shape read here, nothing changes."""
+def trace_cache_keys():
+    """While in it, FakeTensorMode keys an operation as the module's docstring says: fast, and without its
+    inputs' storage offsets and sizes where its outputs are fresh (fresh_outputs). Restored afterwards,
+    whatever happens; where this torch's cache is not of the shape read here, nothing changes."""
     if not supported():
         yield
         return
-    extract, cache_key = fake_tensor.extract_tensor_metadata, fake_tensor.FakeTensorMode._cache_key
-
-    def metadata(tensor):
-        found = extract(tensor)
-        if getattr(_keying, "fresh", False):
-            return dataclasses.replace(found, storage_offset=0, storage_bytes=None)
-        return found
+    torchs = fake_tensor.FakeTensorMode._cache_key
 
     def key(self, state, func, args, kwargs):
-        _keying.fresh = fresh_outputs(func)
+        if self.shape_env is not None or torch.fx.experimental.proxy_tensor.get_proxy_mode() is not None:
+            return torchs(self, state, func, args, kwargs)
+        # What torch's key holds besides the arguments (_cache_key): no shape environment, no tracing
+        out = [_OWN_KEY, func, torch.get_default_dtype(), torch._C._get_default_device(),
+               torch.is_inference_mode_enabled()]
         try:
-            return cache_key(self, state, func, args, kwargs)
-        finally:
-            _keying.fresh = False
+            fresh = fresh_outputs(func)
+            _flattened(self, out, args, fresh)
+            _flattened(self, out, kwargs or {}, fresh)
+        except _TorchsKey:
+            return torchs(self, state, func, args, kwargs)
+        return fake_tensor._DispatchCacheKey(tuple(out))
 
-    fake_tensor.extract_tensor_metadata, fake_tensor.FakeTensorMode._cache_key = metadata, key
+    fake_tensor.FakeTensorMode._cache_key = key
     try:
         yield
     finally:
-        fake_tensor.extract_tensor_metadata, fake_tensor.FakeTensorMode._cache_key = extract, cache_key
+        fake_tensor.FakeTensorMode._cache_key = torchs

@@ -41,7 +41,7 @@ from zerolens.models.model import (
     trainable_flags,
 )
 from zerolens.predict.allocator import allocator_needs, neediest_needs
-from zerolens.predict.fake_cache import cache_blind_to_storage_offsets
+from zerolens.predict.fake_cache import trace_cache_keys
 from zerolens.predict.kernel_workspaces import LIFETIME, buffer_bytes, gpu_geometry, inside_buffers
 from zerolens.predict.repeat import (
     CARRIED,
@@ -379,7 +379,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         if cuda_capability is not None and device.type == "cpu":  # CPU tensors stand for the GPU's
             stack.enter_context(gpu_behaviour(cuda_capability))
         gloo_copies = stack.enter_context(gloo_reduce_scatter_copies()) if cuda_capability is None else []
-        stack.enter_context(cache_blind_to_storage_offsets())  # ZeRO-1/2's parameters lie in one flat buffer
+        stack.enter_context(trace_cache_keys())  # fast keys; ZeRO-1/2's parameters lie in one flat buffer
         mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(tracker)
         # FSDP2's set-up meets DTensor ops for the first time in a process: without this, the first trace
