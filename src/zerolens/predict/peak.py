@@ -172,7 +172,8 @@ def totals_tracker(requests: list | None = None, device_type: str = "cuda", raw:
                 # own __torch_dispatch__ answers it (its first lines), without dispatching it again
                 tensor = args[0]
                 device = torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
-                if active_fake_mode() is getattr(self, "_fake_mode_on_entry", active_fake_mode()):
+                mode = active_fake_mode()  # asked once: a trace makes about two device queries per operation
+                if mode is getattr(self, "_fake_mode_on_entry", mode):
                     self._update_peak_stats(None)
                 return device
             self.deferring = in_place_sums and accumulates_in_place(func, args)
