@@ -3,6 +3,7 @@
 buffers."""
 import contextlib
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -22,8 +23,64 @@ def test_only_operations_that_make_new_tensors_are_keyed_without_offsets():
     aten = torch.ops.aten
     assert fake_cache.fresh_outputs(aten.addmm.default) and fake_cache.fresh_outputs(aten.native_layer_norm.default)
     for func in (aten.view.default, aten.t.default, aten.add_.Tensor, aten.addmm.out, aten.as_strided.default,
-                 aten._foreach_add_.Tensor):
+                 aten._foreach_add_.Tensor, *OUTPUTS_LAID_OUT_AS_INPUTS):
         assert not fake_cache.fresh_outputs(func), func
+
+
+def output_layouts(func, make_args, at: int) -> list[tuple]:
+    """Each output's (storage offset, storage bytes, shape, strides) of `func` on fake inputs that lie `at`
+    elements into buffers of their own (`make_args(tensor)`, tensor(*shape) making one), the cache off."""
+    with FakeTensorMode() as mode:
+        mode.cache_enabled = False
+
+        def tensor(*shape, dtype=torch.float32):
+            n = math.prod(shape)
+            return torch.empty(n + 2 * at, dtype=dtype)[at:at + n].view(shape)
+        out = func(*make_args(tensor))
+        return [(t.storage_offset(), t.untyped_storage().nbytes(), tuple(t.shape), t.stride())
+                for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+aten = torch.ops.aten
+# Each operator named by fresh_outputs, and some of each tag, with arguments made by `tensor`
+NEW_OUTPUTS = {
+    aten.mm.default: lambda t: (t(8, 16), t(16, 4)),
+    aten.addmm.default: lambda t: (t(4), t(8, 16), t(16, 4)),
+    aten.bmm.default: lambda t: (t(2, 8, 16), t(2, 16, 4)),
+    aten.baddbmm.default: lambda t: (t(2, 8, 4), t(2, 8, 16), t(2, 16, 4)),
+    aten.native_layer_norm.default: lambda t: (t(8, 16), [16], t(16), t(16), 1e-5),
+    aten.native_layer_norm_backward.default: lambda t: (t(8, 16), t(8, 16), [16], t(8, 1), t(8, 1), t(16), t(16),
+                                                        [True, True, True]),
+    aten._to_copy.default: lambda t: (t(8, 16),),
+    aten.embedding.default: lambda t: (t(32, 16), t(8, dtype=torch.int64)),
+    aten.new_empty.default: lambda t: (t(8, 16), [4, 4]),
+    aten.add.Tensor: lambda t: (t(8, 16), t(8, 16)),
+    aten.mul.Tensor: lambda t: (t(8, 16), t(16)),
+    aten.clone.default: lambda t: (t(8, 16),),
+    aten.amax.default: lambda t: (t(8, 16), [1]),
+    aten.sum.dim_IntList: lambda t: (t(8, 16), [0]),
+}
+# Operators that alias and mutate nothing but lay their outputs out as their inputs (the review's finds)
+OUTPUTS_LAID_OUT_AS_INPUTS = {
+    aten.slice_scatter.default: lambda t: (t(8, 16), t(4, 16), 0, 0, 4),
+    aten.select_scatter.default: lambda t: (t(8, 16), t(16), 0, 1),
+    aten.diagonal_scatter.default: lambda t: (t(8, 8), t(8)),
+    aten.as_strided_scatter.default: lambda t: (t(8, 16), t(4, 4), [4, 4], [16, 1]),
+    aten.copy.default: lambda t: (t(8, 16), t(8, 16)),
+}
+
+
+@pytest.mark.parametrize("func", list(NEW_OUTPUTS), ids=str)
+def test_operations_keyed_without_offsets_make_outputs_that_do_not_depend_on_them(func):
+    assert fake_cache.fresh_outputs(func)
+    layouts = output_layouts(func, NEW_OUTPUTS[func], 0)
+    assert layouts and all(offset == 0 for offset, *_ in layouts)
+    assert output_layouts(func, NEW_OUTPUTS[func], 24) == layouts
+
+
+def test_the_check_of_outputs_tells_those_laid_out_as_their_inputs():
+    for func, make_args in OUTPUTS_LAID_OUT_AS_INPUTS.items():
+        assert output_layouts(func, make_args, 24) != output_layouts(func, make_args, 0), func
 
 
 def test_this_torchs_cache_is_the_one_read():

@@ -10,9 +10,12 @@ Python (a layer norm's, a matrix product's). Two things made that cache cost a t
   norms and matrix products met the cache as new, and a trace of gpt-1b 26 blocks deep at 8 ranks spent
   half its time in meta kernels. An operation whose outputs are fresh tensors (its schema returns no
   alias of an input and mutates none) makes outputs whose metadata does not depend on where its inputs
-  lie in their storages: their shapes, strides and dtypes are in the key all the same. For those
-  operations the key leaves the offsets and sizes out; views, in-place and out= operations, whose
-  outputs are inputs or lie in their storages, keep them.
+  lie in their storages: their shapes, strides and dtypes are in the key all the same. For the
+  operations whose meta kernels make their outputs new (fresh_outputs: elementwise ones and reductions,
+  which TensorIterator gives new outputs, and the matrix products, layer norms, casts and embeddings a
+  trace meets on those buffers) the key leaves the offsets and sizes out. Every other keeps them: views,
+  in-place and out= operations, and those that return new tensors laid out as their inputs
+  (slice_scatter's output lies at its input's offset, copy's in a storage of its input's size).
 - Its key is made in Python, field by field and each dimension with its type (_prep_args_for_hash,
   TensorMetadata._flatten_into): a fifth of a trace's time (the key alone 1.87 s of 9.4 s in three DDP
   traces of gpt-1b at 8 ranks, profiled), the optimizer's operations on lists of every parameter the
@@ -45,12 +48,23 @@ class _TorchsKey(Exception):
     """An argument these keys do not hold: the operation is keyed by torch."""
 
 
+# Operators whose meta kernels make their outputs new, at offset 0 of storages of their own (fresh_outputs):
+# by tag, those TensorIterator gives new outputs; by name, those met on ZeRO-1/2's flat buffers besides.
+NEW_OUTPUT_TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
+NEW_OUTPUT_OPERATORS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::native_layer_norm",
+                        "aten::native_layer_norm_backward", "aten::_to_copy", "aten::embedding", "aten::new_empty"}
+
+
 @functools.cache
 def fresh_outputs(func) -> bool:
-    """Whether an operator returns only new tensors: no output an alias of an input, no input mutated."""
+    """Whether an operator's outputs are new tensors whose metadata does not depend on where its inputs lie
+    in their storages: it aliases no input, mutates none, and makes its outputs new (NEW_OUTPUT_TAGS,
+    NEW_OUTPUT_OPERATORS). A schema alone does not say it: slice_scatter aliases nothing and lays its output
+    out at its input's offset."""
     schema = getattr(func, "_schema", None)
     return isinstance(func, torch._ops.OpOverload) and schema is not None and not schema.is_mutable \
-        and all(value.alias_info is None for value in schema.returns)
+        and all(value.alias_info is None for value in schema.returns) \
+        and (schema.name in NEW_OUTPUT_OPERATORS or any(tag in func.tags for tag in NEW_OUTPUT_TAGS))
 
 
 @functools.cache  # read once a process, not at every trace
