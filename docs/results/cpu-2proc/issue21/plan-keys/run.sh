@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # plan gpt-1b at 8 GPUs of 24 GiB with two trees alternated, ROUNDS times, on this 2-core machine with
-# nothing else running: BASE (a checkout of 3a87991, this session's start) and HEAD (this tree, 0da0f78).
+# nothing else running: BASE (a checkout of 3a87991, this session's start) and HEAD (this tree, 72d64e6).
 # Records the seconds plan printed, the wall time and the CPU time (user + sys, workers included), and
 # whether the two JSONs agree but for `seconds`.
 # From the repository root: BASE=/path/to/checkout-of-3a87991 HEAD=$PWD ROUNDS=3 bash docs/results/cpu-2proc/issue21/plan-keys/run.sh
