@@ -195,6 +195,7 @@ def test_a_deepspeed_configs_bucket_is_the_one_planned_with(cli):
     assert result.returncode == 2 and "would use reduce_bucket_size 1000" in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # two plans of a model, ~8 s: the slow tier
 def test_the_bucket_verify_advises_is_planned_beside_a_default_that_outweighs_the_gradients(cli):
     """gpt-tiny's gradients are under 1M elements: the default bucket (5e7) alone takes 95 MiB; plan tries the
     advised one too (at most one rank's share), which fits where the default does not."""

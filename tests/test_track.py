@@ -189,6 +189,7 @@ def ddp_loops_users_write(rank, world_size, out):
             train_steps(trained, optimizer, 3)
 
 
+@pytest.mark.slow  # a process of its own, ~7 s: the slow tier
 def test_ddp_set_up_as_users_do_is_predicted_or_says_why_not(tmp_path):
     spawn(ddp_loops_users_write, tmp_path, timeout=240)
     summaries = {case: json.loads((tmp_path / case / "summary.json").read_text())
@@ -286,6 +287,7 @@ def test_only_a_torch_compile_wrapper_is_looked_inside():
     model = nn.Linear(2, 2)
     assert compiled_inside(torch.compile(model, backend="eager")) is model
 
+@pytest.mark.slow  # a process of its own, ~7 s: the slow tier
 def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_path):
     spawn(several_optimizers, tmp_path, timeout=240)
     embedding, head = 32 * 16, 16 * 32 + 32  # elements
@@ -589,6 +591,7 @@ def compiled_loops(rank, world_size, out):
             train_steps(trained, optimizer, 3)
 
 
+@pytest.mark.slow  # a process of its own, ~7 s: the slow tier
 def test_a_compiled_ddp_or_fsdp2_model_is_tracked_as_its_backend(tmp_path):
     spawn(compiled_loops, tmp_path, timeout=240)
     for case in ("ddp", "fsdp2", "fsdp2-around-compiled"):
