@@ -8,17 +8,17 @@ Python (a layer norm's, a matrix product's). Two things made that cache cost a t
 - Its key holds each input's storage offset and storage size. DeepSpeed's ZeRO-1 and ZeRO-2 keep a
   model's parameters as views into one flat buffer, each at an offset of its own: every block's layer
   norms and matrix products met the cache as new, and a trace of gpt-1b 26 blocks deep at 8 ranks spent
-  half its time in meta kernels. An operation whose outputs are fresh tensors (its schema returns no
-  alias of an input and mutates none) makes outputs whose metadata does not depend on where its inputs
-  lie in their storages: their shapes, strides and dtypes are in the key all the same. For the
-  operations whose meta kernels make their outputs new (fresh_outputs: elementwise ones and reductions,
-  which TensorIterator gives new outputs, and the matrix products, layer norms, casts and embeddings a
-  trace meets on those buffers) the key leaves the offsets and sizes out. Every other keeps them: views,
-  in-place and out= operations, and those that return new tensors laid out as their inputs
-  (slice_scatter's output lies at its input's offset, copy's in a storage of its input's size).
+  half its time in meta kernels. An operation whose meta kernel makes its outputs new, at offset 0 of
+  storages of their own, makes the same outputs wherever its inputs lie in their storages (their shapes,
+  strides and dtypes are in the key all the same): for those (fresh_outputs: elementwise operations and
+  reductions, which TensorIterator gives new outputs, and the matrix products, layer norms, casts and
+  embeddings a trace meets on those buffers) the key leaves the offsets and sizes out. Every other keeps
+  them: views, in-place and out= operations, and those that alias and mutate nothing but lay their
+  outputs out as their inputs (slice_scatter's output lies at its input's offset, copy's in a storage of
+  its input's size: a schema alone does not tell them apart).
 - Its key is made in Python, field by field and each dimension with its type (_prep_args_for_hash,
   TensorMetadata._flatten_into): a fifth of a trace's time (the key alone 1.87 s of 9.4 s in three DDP
-  traces of gpt-1b at 8 ranks, profiled), the optimizer's operations on lists of every parameter the
+  traces of gpt-1b at 8 ranks, timed in the process), the optimizer's operations on lists of every parameter the
   most. Here a tensor is one tuple of what torch's key holds of it: dtype, shape, strides, device,
   storage offset and bytes (where kept, above), requires_grad, conj, neg, inference. The rest of
   torch's metadata follows from those for the strided tensors of a trace (memory format from shape and
@@ -26,9 +26,9 @@ Python (a layer norm's, a matrix product's). Two things made that cache cost a t
   mode's fake tensor, a process group) leaves the operation to torch's own key. These keys hold a
   marker torch's never do: they cannot meet an entry torch keyed.
 
-Keys equal here are equal in torch's own key but for the offsets of fresh outputs, so the outputs are
-the ones torch's cache would give, and so the trace's allocations: tests/test_fake_cache.py compares the
-traces with and without.
+Keys equal here are equal in torch's own key but for the offsets of those operations, so the outputs
+are the ones torch's cache would give, and so the trace's allocations: tests/test_fake_cache.py checks
+each named operator's outputs at two offsets, and compares traces with and without these keys.
 """
 from __future__ import annotations
 
