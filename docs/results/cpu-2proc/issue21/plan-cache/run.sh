@@ -5,7 +5,7 @@
 # whether the two JSONs agree but for `seconds`.
 # From the repository root: BASE=/path/to/checkout-of-2fa5e9a HEAD=$PWD ROUNDS=3 bash docs/results/cpu-2proc/issue21/plan-cache/run.sh
 set -u
-here=$PWD/docs/results/cpu-2proc/issue21/plan-cache
+here=${HERE:-$PWD/docs/results/cpu-2proc/issue21/plan-cache}  # where times.log goes (plan-keys/run.sh sets its own)
 args=(plan --gpu-memory 24GiB --nproc 8 --preset gpt-1b --json)
 : > $here/times.log
 for round in $(seq "${ROUNDS:-3}"); do
