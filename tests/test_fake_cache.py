@@ -17,10 +17,10 @@ from zerolens.predict.peak import traced_rank
 from zerolens.strategies import TrainSettings
 
 H200 = (9, 0)
+aten = torch.ops.aten
 
 
 def test_only_operations_that_make_new_tensors_are_keyed_without_offsets():
-    aten = torch.ops.aten
     assert fake_cache.fresh_outputs(aten.addmm.default) and fake_cache.fresh_outputs(aten.native_layer_norm.default)
     for func in (aten.view.default, aten.t.default, aten.add_.Tensor, aten.addmm.out, aten.as_strided.default,
                  aten._foreach_add_.Tensor, *OUTPUTS_LAID_OUT_AS_INPUTS):
@@ -41,7 +41,6 @@ def output_layouts(func, make_args, at: int) -> list[tuple]:
                 for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
 
 
-aten = torch.ops.aten
 # Each operator named by fresh_outputs, and some of each tag, with arguments made by `tensor`
 NEW_OUTPUTS = {
     aten.mm.default: lambda t: (t(8, 16), t(16, 4)),
@@ -114,8 +113,6 @@ def keys_alike(calls: list) -> list[list[bool]]:
 
 
 def test_keys_tell_apart_what_torchs_tell_apart():
-    aten = torch.ops.aten
-
     def tensor(*shape, dtype=torch.float32, grad=False):
         return lambda mode: mode.from_tensor(torch.empty(*shape, dtype=dtype, requires_grad=grad))
 

@@ -287,6 +287,7 @@ def test_only_a_torch_compile_wrapper_is_looked_inside():
     model = nn.Linear(2, 2)
     assert compiled_inside(torch.compile(model, backend="eager")) is model
 
+
 @pytest.mark.slow  # a process of its own, ~7 s: the slow tier
 def test_a_loop_with_several_optimizers_is_tracked_as_one_step_of_them_all(tmp_path):
     spawn(several_optimizers, tmp_path, timeout=240)
