@@ -86,6 +86,23 @@ def test_this_torchs_cache_is_the_one_read():
     assert fake_cache.supported()
 
 
+def test_a_torch_that_keys_another_field_of_a_tensor_keeps_its_own_keys(monkeypatch):
+    torchs = fake_tensor.FakeTensorMode._cache_key
+    keyed_more = dataclasses.make_dataclass("TensorMetadata", [*fake_cache.KEYED_FIELDS, "pinned"])
+    monkeypatch.setattr(fake_tensor, "TensorMetadata", keyed_more)
+    fake_cache.supported.cache_clear()
+    try:
+        assert not fake_cache.supported()
+        with fake_cache.trace_cache_keys():
+            assert fake_tensor.FakeTensorMode._cache_key is torchs
+    finally:
+        monkeypatch.undo()
+        fake_cache.supported.cache_clear()
+    assert fake_cache.supported()
+    with fake_cache.trace_cache_keys():
+        assert fake_tensor.FakeTensorMode._cache_key is not torchs
+
+
 def test_views_at_other_offsets_of_one_buffer_share_the_cache_only_inside():
     def misses_of_two_products():
         FakeTensorMode.cache.clear()

@@ -33,6 +33,7 @@ each named operator's outputs at two offsets, and compares traces with and witho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 
@@ -67,15 +68,28 @@ def fresh_outputs(func) -> bool:
         and (schema.name in NEW_OUTPUT_OPERATORS or any(tag in func.tags for tag in NEW_OUTPUT_TAGS))
 
 
+# What torch's key holds of a tensor (torch 2.11's and 2.13's TensorMetadata): _flattened's tuple holds these or
+# what they follow from for a strided tensor (layout, sparsity and quantization from the dtype and layout,
+# memory format from shape and strides).
+KEYED_FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
+                "requires_grad", "is_quantized", "is_conj", "is_neg", "is_inference", "is_sparse", "is_coalesced",
+                "dense_dim", "sparse_dim")
+
+
 @functools.cache  # read once a process, not at every trace
 def supported() -> bool:
     """Whether this torch's fake tensor cache has the shape read here (torch 2.13's and 2.11's have it): its
-    key made by FakeTensorMode._cache_key(state, func, args, kwargs) as a _DispatchCacheKey of one tuple."""
+    key made by FakeTensorMode._cache_key(state, func, args, kwargs) as a _DispatchCacheKey of one tuple,
+    each tensor in it by the fields KEYED_FIELDS names. A torch whose key holds another field of a tensor
+    keeps its own keys, which hold it."""
     key = getattr(fake_tensor.FakeTensorMode, "_cache_key", None)
     made = getattr(fake_tensor, "_DispatchCacheKey", None)
+    metadata = getattr(fake_tensor, "TensorMetadata", None)
     return (key is not None and made is not None and isinstance(getattr(fake_tensor.FakeTensorMode, "cache", None), dict)
             and list(inspect.signature(key).parameters) == ["self", "state", "func", "args", "kwargs"]
-            and list(inspect.signature(made).parameters) == ["tup"])
+            and list(inspect.signature(made).parameters) == ["tup"]
+            and dataclasses.is_dataclass(metadata)
+            and tuple(field.name for field in dataclasses.fields(metadata)) == KEYED_FIELDS)
 
 
 def _flattened(mode, out: list, args, fresh: bool) -> None:
