@@ -580,6 +580,23 @@ print(json.dumps(out))
     assert first == second
 
 
+def test_a_traces_totals_count_the_traced_device_only():
+    """A trace on fake CUDA tensors also meets CPU tensors that take no GPU memory (AdamW's step counts,
+    made on the CPU unless fused or capturable): its peaks count the traced device's storages only. Counted
+    with them, a second step written from the first (predict/repeat.py) was 4 bytes short of the traced
+    one on the GPU machine, and the check that allows writing it failed for every strategy. Here meta
+    tensors stand for the other device."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zerolens.measure.tracker import tracker_total
+    with MemTracker() as tracker:
+        on_meta, on_cpu = torch.empty(1000, device="meta"), torch.empty(10)
+        assert tracker_total(tracker, "current", "cpu") == on_cpu.nbytes
+        assert tracker_total(tracker, "current", "meta") == on_meta.nbytes
+        assert tracker_total(tracker, "current") == on_cpu.nbytes + on_meta.nbytes
+
+
 def test_autograd_sums_a_second_gradient_in_place_and_a_cuda_targets_trace_does_too():
     """torch's autograd engine adds a tensor's second gradient into the first where it holds the last
     reference (InputBuffer::accumulate), so no block is made for the sum; a fake tensor is summed out of

@@ -67,8 +67,11 @@ def tracked_step(strategy, batch: list):
 
 # torch's MemTracker (torch.distributed._tools, private in torch 2.x) keeps one running peak; a
 # per-phase peak needs it set back to the current total at each phase's start.
-def tracker_total(tracker, kind: str) -> int:
-    return sum(int(d.get("Total", 0)) for d in tracker.get_tracker_snapshot(kind).values())
+def tracker_total(tracker, kind: str, device_type: str | None = None) -> int:
+    """The tracker's total over its devices, or over those of `device_type` only (a trace on fake CUDA
+    tensors also meets CPU tensors, such as AdamW's step counts, which take no GPU memory)."""
+    return sum(int(d.get("Total", 0)) for device, d in tracker.get_tracker_snapshot(kind).items()
+               if device_type is None or device.type == device_type)
 
 
 @contextlib.contextmanager

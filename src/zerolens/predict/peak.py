@@ -406,7 +406,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
             yield
             # Under gradient accumulation forward and backward run once per micro-batch: the highest.
             tracker.settle()
-            into[name] = max(into.get(name, 0), tracker_total(tracker, "peak"))
+            into[name] = max(into.get(name, 0), tracker_total(tracker, "peak", device.type))
             collective_buffers[name].update(gloo_copies[before[0]:], modelled_buffers[before[1]:])
 
         step_starts: list[int] = []  # where each step's requests begin (predict/repeat.py)
@@ -415,7 +415,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
         for step in range(steps):
             if requests is not None:
                 step_starts.append(len(requests))
-            held_before.append(tracker_total(tracker, "current"))
+            held_before.append(tracker_total(tracker, "current", device.type))
             if step == 1:
                 # The second step, written from the first where a full trace showed it so (its peaks below)
                 written = second_step(requests, step_starts, raw, inside, setup_freed or CARRIED) \
@@ -454,7 +454,7 @@ def traced_rank(name: str, model_config: ModelConfig, settings: TrainSettings, *
                 del loss
             with phase("step", traced[-1]):
                 step_model.step()
-        held = tracker_total(tracker, "current")
+        held = tracker_total(tracker, "current", device.type)
     if requests is not None:
         numbered_in_order(requests, raw, inside)
     if written is not None:  # the tracker's figures beside the sequence, of its one traced step, for the others
