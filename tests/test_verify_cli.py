@@ -75,6 +75,9 @@ def test_run_folder_holds_config_metrics_report_and_summary(verify_run):
     # log stays beside them.
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["heartbeat_rank0.json", "heartbeat_rank1.json",
                                                                 "wall_time.jsonl"]
+    # The process that made the folder listed, as it ended, all it holds: what --overwrite may delete
+    from zerolens.run.folder import entries, marker_of
+    assert marker_of(out)["made"] == sorted(entries(out))
 
 
 @pytest.mark.slow
@@ -130,6 +133,37 @@ def test_existing_run_folder_is_not_overwritten(verify_run, cli):
     result = cli("verify", "--out", str(out))
     assert result.returncode == 2
     assert "already exists" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("verify_run")
+def test_a_ctrl_c_while_plotting_leaves_no_report_saying_pass(verify_run, tmp_path, monkeypatch):
+    """Rank 0 writes summary.json, then report.md, after the plots: a Ctrl-C while plotting leaves
+    neither, so the launcher's summary.json says INTERRUPTED with no report saying PASS beside it (the
+    report was written before the plots, and stood beside an INTERRUPTED summary)."""
+    import shutil
+
+    from zerolens.run import worker
+    from zerolens.run.config import load_config
+    from zerolens.run.train import Phase
+    _, out, _ = verify_run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    for name in ("summary.json", "report.md"):
+        (copy / name).unlink()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("zerolens.report.plots.verify_plots", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        worker.finish_verify(load_config(str(copy / "config.json")), copy, "zerolens verify", Phase(), quiet=True)
+    assert not (copy / "report.md").exists() and not (copy / "summary.json").exists()
+    monkeypatch.undo()
+    summary = worker.finish_verify(load_config(str(copy / "config.json")), copy, "zerolens verify", Phase(),
+                                   quiet=True)
+    assert json.loads((copy / "summary.json").read_text())["verdict"] == summary["verdict"] == "PASS"
+    assert (copy / "report.md").read_text().startswith("# zerolens verify: PASS")
 
 
 @pytest.mark.slow

@@ -54,8 +54,9 @@ def report_failure(out: Path, error: WorkersFailed, command: str) -> None:
 
 
 def record_interruption(out: Path, config: RunConfig, interrupted: Interrupted, command: str) -> None:
-    """A run ended by SIGINT or SIGTERM before its report: summary.json says so, and which strategies
-    had finished (their results are in results/). A run whose report was written keeps it."""
+    """A run ended by SIGINT or SIGTERM before its summary: summary.json says so, and which strategies
+    had finished (their results are in results/). A run whose summary was written keeps it (verify
+    writes its report.md after it, bench its bench.md after bench.json)."""
     if not out.is_dir() or (out / "summary.json").exists():
         return
     finished = [name for name in config.strategies if results_path(out, name).exists()]

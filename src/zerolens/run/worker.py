@@ -365,7 +365,6 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
                             predicted_peaks=read_predicted_peaks(out), weight_bytes=weight_bytes(config.model),
                             trainable=trainable_flags(config.model))
     text = render.render(summary, command)
-    files.write_atomic(out / "report.md", text)
     wall_time.note(out, "report", time.time() - started)
     phase.at(name="plotting")
     started = time.time()
@@ -377,9 +376,12 @@ def finish_verify(config: RunConfig, out: Path, command: str, phase: Phase, quie
     except ImportError:
         say("zerolens: plots skipped: matplotlib is not installed (pip install matplotlib)")
     wall_time.note(out, "plots", time.time() - started)
-    # Written last, with where the run's time went up to here.
+    # Written last, with where the run's time went up to here: summary.json, then report.md. A Ctrl-C
+    # during the plots leaves neither, so summary.json says INTERRUPTED (jobs.record_interruption) and no
+    # report says PASS beside it; one between the two leaves summary.json, which a report only renders.
     summary["wall_time"] = wall_time.breakdown(out)
     files.write_json(out / "summary.json", summary)
+    files.write_atomic(out / "report.md", text)
     if config.verbose and not quiet:
         say(*text.splitlines(), wall_time.breakdown_line(summary["wall_time"]))
     if not quiet:
