@@ -8,7 +8,7 @@ import pytest
 from zerolens.cli import main
 from zerolens.errors import UserError
 from zerolens.report.files import write_json
-from zerolens.run.folder import MARKER, new_run_folder
+from zerolens.run.folder import MARKER, marker_of, new_run_folder, run_ended
 
 
 def hugging_face_model_folder(path):
@@ -36,6 +36,53 @@ def test_overwrite_replaces_a_run_folder(tmp_path):
         new_run_folder(out)
     new_run_folder(out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [MARKER]
+
+
+def test_overwrite_never_deletes_what_a_user_put_into_a_run_folder(tmp_path, capsys):
+    out = new_run_folder(tmp_path / "run")
+    (out / "results").mkdir()
+    (out / "results" / "ddp.json").write_text("{}")
+    (out / "report.md").write_text("# zerolens verify: PASS")
+    run_ended(out)  # the run's last file written: the marker lists what zerolens made
+    assert marker_of(out)["made"] == ["report.md", "results", "results/ddp.json"]
+    (out / "analysis.ipynb").write_text("mine")
+    (out / "notes").mkdir()
+    (out / "notes" / "a.txt").write_text("mine")
+    (out / "results" / "mine.csv").write_text("mine")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert main(["verify", "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "holds what zerolens did not make (analysis.ipynb, notes, results/mine.csv)" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before  # nothing touched
+    for mine in ("analysis.ipynb", "notes/a.txt", "results/mine.csv"):
+        (out / mine).unlink()
+    (out / "notes").rmdir()
+    new_run_folder(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [MARKER]
+
+
+def test_overwrite_refuses_a_run_folder_with_no_list_of_what_zerolens_made(tmp_path, capsys):
+    # A run killed before its process ended, or an older zerolens's folder: what is zerolens's is not known
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / MARKER).write_text('{"created_by": "zerolens 0.1.0", "time": 0}\n')
+    (out / "summary.json").write_text("{}")
+    assert main(["verify", "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "has no list of what zerolens made in it" in err and len(err.strip().splitlines()) == 1
+    assert (out / "summary.json").read_text() == "{}"
+
+
+def test_the_process_that_made_a_run_folder_lists_what_it_holds_as_it_ends(tmp_path):
+    import subprocess
+    import sys
+    code = ("import sys; from pathlib import Path; from zerolens.run.folder import new_run_folder; "
+            "out = new_run_folder(Path(sys.argv[1])); (out / 'logs').mkdir(); (out / 'logs' / 'a.json').write_text('1')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert marker_of(tmp_path / "run")["made"] == ["logs", "logs/a.json"]
 
 
 def test_out_naming_a_file_is_one_line(tmp_path, capsys):

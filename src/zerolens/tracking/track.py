@@ -44,7 +44,7 @@ from zerolens.report.checks import prediction_check
 from zerolens.report.render import tracked_report, tracked_terminal_lines
 from zerolens.report.summary import rank_summary
 from zerolens.report.tables import SCHEMA_VERSION, say
-from zerolens.run.folder import default_run_folder, new_run_folder
+from zerolens.run.folder import default_run_folder, new_run_folder, run_ended
 from zerolens.run.worker import append_metrics, git_commit, versions
 from zerolens.strategies import registry
 from zerolens.strategies.layout import RETAINED_KEYS, deepspeed_layout
@@ -493,6 +493,9 @@ class Tracker:
             dist.barrier()
         if self.rank == 0:
             summary = self._write_report(verdict="FINISHED")
+            # Every rank's files are written (the barrier): the marker lists them now, not what the user
+            # may put here before this process ends (a notebook's)
+            run_ended(self.out)
             say(*tracked_terminal_lines(summary, self.out))
 
     def _write_error_line(self, line: str) -> None:
