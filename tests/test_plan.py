@@ -122,6 +122,12 @@ def test_where_not_one_layer_fits_under_any_strategy_plan_says_so_in_a_line():
     result["deepest"]["strategies"]["zero2"] |= {"max_depth": 3, "params": 60_000_000, "needs_bytes": 23 * GiB}
     text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
     assert "(width 896) each strategy can train, predicted, at micro-batch 8" in text and "none, not one" not in text
+    # A strategy that still fits at the search's cap: "≥", and a line saying the search stopped there
+    result["deepest"]["strategies"]["zero2"] |= {"max_depth": plan.MAX_DEPTH, "at_search_cap": True,
+                                                 "next_needs_bytes": None}
+    text = "\n".join(str(line) for line in plan.render_plan(result, top=5))
+    assert f"≥ {plan.MAX_DEPTH}" in text
+    assert f"≥ {plan.MAX_DEPTH}: zero2 still fits at {plan.MAX_DEPTH} layers, where the search stops" in text
 
 
 @pytest.mark.slow

@@ -122,6 +122,9 @@ def test_sweep_over_world_sizes_writes_table_json_and_plots(tmp_path):
         assert (out / name).stat().st_size > 0, name
     text = (out / "sweep.md").read_text()
     assert "| 3 |" in text and "## Across world sizes" in text
+    # The case study trains in fp16 on GPUs: the points' bf16 on the CPU is said once, and kept
+    precision = "CPU run: DeepSpeed has no fp16 on CPU, so bf16 is used instead of the case study's fp16"
+    assert result.stdout.count(precision) == 1 and precision in sweep["notes"] and precision in text
 
 
 def test_sweep_rejects_a_bad_list(cli):

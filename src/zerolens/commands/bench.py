@@ -7,6 +7,7 @@ import shlex
 
 from zerolens.errors import UserError
 from zerolens.run.flags import (
+    BENCH_PRESET,
     add_bench_arguments,
     add_verify_arguments,
     config_from_args,
@@ -19,7 +20,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="step time, tokens/s, MFU and peak memory of each strategy vs DDP",
                               description="Train each strategy on the same model and data; time the steps after "
                                           "a warm-up and report throughput, MFU and peak memory, with ratios to DDP.")
-    add_verify_arguments(p)
+    add_verify_arguments(p, preset_default=f"{BENCH_PRESET['cuda']} on GPUs, {BENCH_PRESET['cpu']} on the CPU")
     add_bench_arguments(p)
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of every strategy, interleaved (A B, A B, ...), each strategy in its own processes; "

@@ -304,8 +304,7 @@ def add_parser(subparsers) -> None:
                    help="with --model: how zerolens makes a batch (as for verify); needed to predict the peaks")
     p.add_argument("--micro-batch", type=int, default=8, help="samples per rank per step (default 8)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
-                   help="gradient accumulation: K micro-batches per optimizer step (default 1; DeepSpeed's peaks "
-                        "are then not predicted)")
+                   help="gradient accumulation: K micro-batches per optimizer step (default 1)")
     p.add_argument("--width", type=int, default=None, help="override the preset's model width (d_model)")
     p.add_argument("--depth", type=int, default=None,
                    help="override the preset's (or a Hugging Face model's) number of layers")

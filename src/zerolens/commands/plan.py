@@ -184,7 +184,7 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
 
     depth = deepest_fitting(need, memory, MAX_DEPTH, start=config.model.num_layers)
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
-    return {"max_depth": depth, "params": params, "needs_bytes": traced.get(depth),
+    return {"max_depth": depth, "at_search_cap": depth == MAX_DEPTH, "params": params, "needs_bytes": traced.get(depth),
             "next_needs_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
             "depth_scaled_from": {str(d): s for d, s in sorted(scaled.items())},
             **({"why_not": why_not[0]} if why_not else {})}
@@ -469,12 +469,17 @@ def render_plan(result: dict, top: int) -> list:
                                                    f"(above): --micro-batch {max(fitting)} searches the depth there"
                                                    if fitting else "") + ".")
         else:
-            rows = [[name, d["max_depth"], count(d["params"]), in_unit(d["needs_bytes"], unit, 2),
-                     in_unit(d["next_needs_bytes"], unit, 2)] for name, d in deepest["strategies"].items()]
+            capped = [name for name, d in searched.items() if d.get("at_search_cap")]
+            rows = [[name, f"≥ {d['max_depth']}" if d.get("at_search_cap") else d["max_depth"], count(d["params"]),
+                     in_unit(d["needs_bytes"], unit, 2), in_unit(d["next_needs_bytes"], unit, 2)]
+                    for name, d in deepest["strategies"].items()]
             lines += [f"The deepest {result['model']} (width {result['width']}) each strategy can train, predicted, "
                       f"at {at}:",
                       terminal_table(["strategy", "layers", "parameters", f"needs {label}", f"one layer more {label}"],
                                      rows, right={1, 2, 3, 4})]
+            if capped:
+                lines.append(f"≥ {MAX_DEPTH}: {', '.join(capped)} still fit{'s' if len(capped) == 1 else ''} at "
+                             f"{MAX_DEPTH} layers, where the search stops; a deeper model may fit too.")
         lines += [f"Not predicted: {name}'s depth: {d['why_not']}." for name, d in deepest["strategies"].items()
                   if "why_not" in d]
     lines.append("--check runs the best candidates on this machine's GPUs, the allocator capped at each one's "

@@ -219,6 +219,12 @@ def run_sweep(points: list, out, command: str) -> int:
     from zerolens.report.tables import say
     from zerolens.run.jobs import run_in_new_folder
     done, failed = [], []
+    # What each point's own header would say (the CPU's precision, the processes per core), said once here:
+    # the points run quietly
+    said = list(dict.fromkeys(note for config in points for note in (config.device_note, config.precision_note)
+                              if note))
+    for note in said:
+        say(f"zerolens: {note}")
     for i, config in enumerate(points, 1):
         label = f"{config.preset}, N={config.nproc}, reduce_bucket_size {config.reduce_bucket_size:.0e}"
         say(f"zerolens sweep: point {i} of {len(points)}: {label} ...")
@@ -236,6 +242,7 @@ def run_sweep(points: list, out, command: str) -> int:
         print("zerolens: every sweep point failed", file=sys.stderr)
         return 1
     rows, notes = across_n(done)
+    notes = said + notes
     checks = across_n_checks(rows)
     passed = not failed and all(p["verdict"] == "PASS" for p in done) and all(c["passed"] for c in checks)
     verdict = "PASS" if passed else "FAIL"

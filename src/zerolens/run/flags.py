@@ -63,9 +63,11 @@ BENCH_GPU_MICRO_BATCH = 32
 TRAINING_ONLY = {"lr": None, "steps": 100, "seed": 0, "timeout": 900, "grad_accum": 1}
 
 
-def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True) -> None:
+def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True,
+                         preset_default: str = "%(default)s") -> None:
     """verify's flags, which every command shares; `trains=False` (plan) leaves out those of a training
-    run alone (TRAINING_ONLY), so that its --help does not offer them."""
+    run alone (TRAINING_ONLY), so that its --help does not offer them. `preset_default`: the default
+    model as --help says it (bench's depends on the device)."""
     parser.add_argument("--strategies", default=",".join(registry.VERIFY_DEFAULT),
                         help=f"comma-separated, from {','.join(registry.names())} (default: %(default)s)")
     parser.add_argument("--baseline", default=None,
@@ -78,7 +80,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
                         help="default: bf16 on cpu; on cuda fp16 for case-study (the case study's), else bf16")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
-                        help="the model (default: %(default)s; case-study is the demo's 0.53M-parameter Transformer)")
+                        help=f"the model (default: {preset_default}; case-study is the demo's 0.53M-parameter Transformer)")
     parser.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                         help="your nn.Module instead of a preset: a function returning it (built on the CPU, fp32); "
                              "needs --batch")
