@@ -107,12 +107,18 @@ def test_a_model_the_user_compiled_is_not_predicted_at_the_peak(cli):
     assert "the model is compiled" in ddp["peak_not_predicted"] and ddp["ranks"][0]["param_bytes"] > 0
 
 
-@pytest.mark.parametrize("model, message", [("mixed_weights", "the model's parameters mix dtypes"),
-                                            ("with_batch_norm", "BatchNorm1d 'norm' keeps running statistics")])
-def test_estimate_refuses_what_it_does_not_model(cli, model, message):
-    result = cli("estimate", "--model", f"zerolens_test_models:{model}", "--batch", "zerolens_test_models:tiny_batch")
+@pytest.mark.parametrize("model, flags, message", [
+    ("mixed_weights", [], "the model's parameters mix dtypes"),
+    ("with_batch_norm", [], "BatchNorm1d 'norm' keeps running statistics"),
+    # a bf16 model trained in fp32 was predicted with fp32 weights, and its ZeRO-2 run marked FAIL
+    ("bf16_weights", ["--precision", "fp32"], "its parameters are 16-bit (built in bf16 or fp16)")])
+@pytest.mark.parametrize("command", ["estimate", "verify"])
+def test_refused_before_anything_runs_what_zerolens_does_not_model(cli, tmp_path, command, model, flags, message):
+    out = ["--out", str(tmp_path / "run")] if command == "verify" else []
+    result = cli(command, "--model", f"zerolens_test_models:{model}", "--batch", "zerolens_test_models:tiny_batch",
+                 *flags, *out)
     assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 

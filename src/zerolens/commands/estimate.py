@@ -17,6 +17,7 @@ from zerolens.errors import UserError, one_line_error
 from zerolens.models.model import (
     MIXED_WEIGHTS,
     PRESETS,
+    check_weights_and_precision,
     load_user_function,
     meta_model,
     trained_elements,
@@ -389,6 +390,7 @@ def command(args: argparse.Namespace, argv: list[str]) -> int:
         # As verify: the paper's fp16 for a count, a preset's GPU precision on CUDA, bf16 on CPU.
         precision = args.precision or ("fp16" if args.params is not None else "bf16" if args.device == "cpu" else
                                        PRESET_GPU_PRECISION.get(None if args.model else args.preset, "bf16"))
+        check_weights_and_precision(weights, precision, args.model)
         if model_config is not None:  # a model that cannot run under some of them: as verify
             from zerolens.run.validate import check_running_statistics
             check_running_statistics(model_config, strategies, precision)

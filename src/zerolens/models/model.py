@@ -17,6 +17,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from zerolens.errors import UserError
+
 CHECKPOINTABLE_KINDS = ("gpt", "hf")  # model kinds with activation checkpointing
 
 
@@ -249,6 +251,17 @@ def parameter_shapes(config: ModelConfig) -> list[torch.Size]:
 
 MIXED_WEIGHTS = ("--model {model}: the model's parameters mix dtypes; zerolens predicts models whose weights share "
                  "one dtype (fp32, or bf16/fp16 throughout): cast the model to one before you return it")
+
+
+def check_weights_and_precision(weights: int, precision: str, model: str) -> None:
+    """A model built in 16 bits trains, under zerolens, in its own precision: --precision fp32 would
+    have DDP and FSDP2 train the 16-bit weights as they are while DeepSpeed's fp32 keeps them otherwise,
+    and each figure be predicted for fp32 weights (a bf16 model's ZeRO-2 run was predicted twice its
+    parameter bytes)."""
+    if weights == 2 and precision == "fp32":
+        raise UserError(f"--precision fp32 with --model {model}: its parameters are 16-bit (built in bf16 or fp16), "
+                        "and zerolens trains and predicts such a model in its own precision: use --precision bf16 "
+                        "or fp16, as it was built, or build it in fp32")
 
 
 def weight_bytes(config: ModelConfig) -> int | None:

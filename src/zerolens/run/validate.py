@@ -19,6 +19,7 @@ from zerolens.models.data import make_batch
 from zerolens.models.model import (
     MIXED_WEIGHTS,
     ModelConfig,
+    check_weights_and_precision,
     parameter_shapes,
     trainable_flags,
     user_model,
@@ -66,6 +67,7 @@ def check_config(config: RunConfig, gpus_visible: int | None = None, *, running:
     weights, trainable = weight_bytes(config.model), trainable_flags(config.model)
     if weights is None:
         raise UserError(MIXED_WEIGHTS.format(model=config.model.factory))
+    check_weights_and_precision(weights, config.precision, config.model.factory)
     refused: dict[str, list[str]] = {}  # why -> the strategies it holds for (both FSDP2s, say)
     for name in config.strategies:
         try:
