@@ -129,6 +129,38 @@ def test_an_interrupted_plan_ends_its_tracing_processes(tmp_path, sig, code):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc")
+def test_a_ctrl_c_to_the_whole_process_group_at_start_up_is_one_line(tmp_path):
+    """A terminal's Ctrl-C reaches every process of the command's group: the fork server, importing torch
+    for the ranks at start-up, printed a KeyboardInterrupt's traceback beside zerolens's one line."""
+    out, stderr = tmp_path / "run", tmp_path / "stderr.txt"
+    process = subprocess.Popen([sys.executable, "-m", "zerolens", "verify", "--strategies", "ddp,zero2", "--out",
+                                str(out)], stdout=subprocess.PIPE, stderr=open(stderr, "w"), text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    def fork_server_started() -> bool:
+        for pid in descendants(process.pid):
+            try:
+                if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+        return False
+    wait_for(fork_server_started, "the fork server", process)
+    started = descendants(process.pid)
+    os.killpg(process.pid, signal.SIGINT)  # its own session: the group is zerolens and what it started
+    try:
+        process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("zerolens did not end within 30 s of the signal")
+    text = stderr.read_text()
+    assert process.returncode == 130, text
+    assert text.splitlines()[-1].startswith("zerolens: interrupted"), text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert_all_ended(started)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc")
 def test_a_killed_verify_leaves_no_rank_running(tmp_path):
     """SIGKILL (or the out-of-memory killer) gives zerolens no chance to stop its ranks: they end on
     their own when it does, and the fork server, which they held open, with them."""

@@ -121,8 +121,26 @@ def start_workers_server(entrypoint: Callable[[list[str]], None], backend: str, 
         from multiprocessing import forkserver
         multiprocessing.get_context("forkserver").set_forkserver_preload(
             [entrypoint.__module__, "torch._dynamo", *preload])
-        forkserver.ensure_running()
+        # Started with Ctrl-C ignored, which it and the ranks it forks keep (Python installs no handler for
+        # a signal ignored at its start): a terminal's Ctrl-C reaches the whole process group, and the server
+        # printed a KeyboardInterrupt's traceback from its imports. This process ends them (ranks_ended_on_interrupt).
+        with sigint_ignored():
+            forkserver.ensure_running()
     return method
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored while inside, in the main thread (elsewhere Python sets no handler: unchanged)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def start_method(backend: str) -> str:
