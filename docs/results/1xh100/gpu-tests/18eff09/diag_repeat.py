@@ -1,6 +1,6 @@
 """Why a full trace's second step is not its first written again (repeat.second_step_follows) on this machine:
 
-    python3 docs/results/1xh100/repeat-on-cuda/diag_repeat.py cuda   # from the repository root; writes $OUT (or /tmp/prof)
+    python3 docs/results/1xh100/gpu-tests/18eff09/diag_repeat.py cuda   # from the repository root; writes $OUT (or /tmp/prof)
 """
 import dataclasses, json, os, sys, traceback
 from torch.distributed._tools import mem_tracker
