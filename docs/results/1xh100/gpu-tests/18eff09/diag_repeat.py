@@ -2,18 +2,24 @@
 
     python3 docs/results/1xh100/gpu-tests/18eff09/diag_repeat.py cuda   # from the repository root; writes $OUT (or /tmp/prof)
 """
-import dataclasses, json, os, sys, traceback
-from torch.distributed._tools import mem_tracker
+import json
+import os
+import sys
+import traceback
+
+import torch
+
 from zerolens.models.hf import model_config_fields
 from zerolens.models.model import PRESETS, ModelConfig
 from zerolens.predict import peak, repeat
 from zerolens.strategies import TrainSettings
 
-import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 adds = []
 STACKS = {}
 import itertools as _it
+
+
 class Counting:
     def __init__(self):
         self.n = _it.count()
