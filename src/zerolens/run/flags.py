@@ -130,7 +130,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
                         help="JSON merged into the DeepSpeed config zerolens writes, e.g. "
                              "'{\"zero_optimization\": {\"overlap_comm\": true}}'")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<timestamp>)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the --out run folder if it exists: only one zerolens made, holding nothing else")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the --out run folder if it exists: only one zerolens made, holding nothing else")
     if trains:
         parser.add_argument("--timeout", type=float, default=900,
                             help="end the run when no rank makes progress for this many seconds (default 900; "
