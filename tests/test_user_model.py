@@ -39,19 +39,24 @@ def peaks_checked(summary: dict) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategies, bucket", [("zero3", "1e4"), ("zero1,zero2", "2e3")])
+@pytest.mark.parametrize("strategies, bucket", [("zero3", "1e4"), ("zero1,zero2", "2e3"), ("zero2", "5e2")])
 def test_a_model_of_small_parameters_whose_peaks_are_its_reductions(tmp_path, strategies, bucket):
     """Small activations, so that backward's peak is where the gradients are reduced. ZeRO-3 (every
     parameter under its persistence threshold): gloo reduces a copy of the interleaved gradients beside
     them (predicted 15,808 bytes low, a tenth of the phase, before the step model made that copy).
     ZeRO-1/2: a bucket whose gradients all lie in one rank's stretch is reduced through a view of it,
-    not a flat copy (_flatten_dense_tensors of one tensor; predicted 2,840 bytes high on rank 0 before)."""
+    not a flat copy (_flatten_dense_tensors of one tensor; predicted 2,840 bytes high on rank 0 before).
+    ZeRO-2 with a bucket smaller than the blocks' weights (561 elements): DeepSpeed keeps such a gradient
+    (extra_large_param_to_reduce) until the next gradient's hook reduces it; the step model reduced and
+    freed it at its own hook (predicted 2,244 bytes low, one weight's fp32 gradient, on both ranks)."""
     summary = verified(tmp_path, "small_layers", "small_batch", strategies, "--precision", "fp32",
                        "--reduce-bucket-size", bucket)
     assert peaks_checked(summary) == 2 * len(strategies.split(","))
     for name in strategies.split(","):  # not above the measured one (gloo's thread may free its copies late)
         for rank in summary["strategies"][name]["ranks"]:
             assert rank["predicted_peaks"]["peak_during_backward"] - rank["peak_during_backward"] < 512
+            if bucket == "5e2":  # each side's figure, not the check's tolerance: DeepSpeed's two loss scalars apart
+                assert abs(rank["predicted_peaks"]["peak_during_backward"] - rank["peak_during_backward"]) <= 64
 
 
 @pytest.mark.slow

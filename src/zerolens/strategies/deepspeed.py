@@ -713,11 +713,12 @@ class DeepSpeedStepModel(Strategy):
                 self._reduce_bucket()
             self.pending.append(p)
             if p.numel() > self.bucket.numel():
-                # A gradient larger than the bucket is reduced where it is (extra_large_param_to_reduce).
-                self._reduce_bucket()
-            else:
-                self.bucket[self.bucket_used:self.bucket_used + p.numel()].copy_(p.grad.reshape(-1))
+                # A gradient larger than the bucket stays where it is (extra_large_param_to_reduce), reduced
+                # by the next reduce_ipg_grads: the next gradient's hook (its count fills the bucket) or backward's end.
                 self.bucket_used += p.numel()
+                return
+            self.bucket[self.bucket_used:self.bucket_used + p.numel()].copy_(p.grad.reshape(-1))
+            self.bucket_used += p.numel()
             p.grad = None
 
     def _reduce_bucket(self) -> None:
@@ -748,6 +749,8 @@ class DeepSpeedStepModel(Strategy):
             if self.grads_in_partition is None and any(id(p) in self.in_partition_ids for p in self.pending):
                 self.grads_in_partition = torch.empty(self.partition.grad_buffer_elements, dtype=self.dtype,
                                                       device=self.device)
+        for p in self.pending:  # an extra-large gradient: copied into the buffer (copy_grads_in_partition) or cleared
+            p.grad = None
         self.bucket_used, self.pending = 0, []
 
     def _slices_per_rank(self) -> list[int]:
