@@ -185,7 +185,8 @@ def largest_depth(config: RunConfig, memory: int, cuda_capability: tuple[int, in
     depth = deepest_fitting(need, memory, MAX_DEPTH, start=config.model.num_layers)
     params = sum(s.numel() for s in parameter_shapes(with_depth(config, depth).model)) if depth else 0
     return {"max_depth": depth, "at_search_cap": depth == MAX_DEPTH, "params": params,
-            "needs_bytes": traced.get(depth), "next_needs_bytes": traced.get(depth + 1), "traced": {str(d): p for d, p in sorted(traced.items())},
+            "needs_bytes": traced.get(depth), "next_needs_bytes": traced.get(depth + 1),
+            "traced": {str(d): p for d, p in sorted(traced.items())},
             "depth_scaled_from": {str(d): s for d, s in sorted(scaled.items())},
             **({"why_not": why_not[0]} if why_not else {})}
 

@@ -80,7 +80,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser, *, trains: bool = True
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
                         help="default: bf16 on cpu; on cuda fp16 for case-study (the case study's), else bf16")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="case-study",
-                        help=f"the model (default: {preset_default}; case-study is the demo's 0.53M-parameter Transformer)")
+                        help=f"the model (default: {preset_default}; case-study is the demo's 0.53M-parameter "
+                             "Transformer)")
     parser.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                         help="your nn.Module instead of a preset: a function returning it (built on the CPU, fp32); "
                              "needs --batch")
